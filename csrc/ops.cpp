@@ -1,0 +1,154 @@
+// torch.library registration of the spccl operators: schemas once (TORCH_LIBRARY), CUDA
+// implementations (TORCH_LIBRARY_IMPL) that check arguments and launch on torch's current
+// stream. Fake implementations live in spccl_train/_fake.py.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "spccl.h"
+
+namespace spccl {
+namespace {
+
+Elem elem_of(c10::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return Elem::kF32;
+    case at::kBFloat16: return Elem::kBF16;
+    case at::kHalf: return Elem::kF16;
+    default: TORCH_CHECK(false, "spccl: unsupported dtype ", t, "; the formats carry float32, bfloat16, float16");
+  }
+}
+
+void check_range(const at::Tensor& t, const char* name, int64_t offset, int64_t n) {
+  TORCH_CHECK(t.is_cuda(), "spccl: ", name, " must be a CUDA tensor, got ", t.device());
+  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), "spccl: ", name, " must be a contiguous 1-D tensor, got shape ",
+              t.sizes());
+  TORCH_CHECK(offset >= 0 && n >= 0 && offset + n <= t.numel(), "spccl: range [", offset, ", ", offset + n,
+              ") is outside ", name, " of ", t.numel(), " elements");
+  TORCH_CHECK(n <= int64_t(0xffffffff), "spccl: n=", n, " exceeds the 2^32-1 elements a payload can encode");
+}
+
+void check_bytes(const at::Tensor& t, const char* name, const at::Tensor& like) {
+  TORCH_CHECK(t.scalar_type() == at::kByte, "spccl: ", name, " must be uint8, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), "spccl: ", name, " must be a contiguous 1-D tensor");
+  TORCH_CHECK(t.device() == like.device(), "spccl: ", name, " is on ", t.device(), " but the data is on ",
+              like.device());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "spccl: ", name,
+              " must start at a 16-byte aligned address");
+}
+
+int64_t tiles_of(int64_t n) { return (n + 4095) / 4096; }
+int64_t pici_metadata(int64_t n) { return 512 * tiles_of(n) + ((4 * (tiles_of(n) + 1) + 15) & ~int64_t(15)); }
+
+at::Tensor pici_compress_cuda(const at::Tensor& src, int64_t offset, int64_t n, at::Tensor& out) {
+  check_range(src, "src", offset, n);
+  check_bytes(out, "out", src);
+  elem_of(src.scalar_type());
+  TORCH_CHECK(out.numel() >= pici_metadata(n), "spccl: out holds ", out.numel(), " bytes, less than the ",
+              pici_metadata(n), "-byte Pici metadata for n=", n);
+  const c10::cuda::CUDAGuard guard(src.device());
+  auto nnz = at::empty({1}, src.options().dtype(at::kLong));
+  auto scratch = at::empty({compress_scratch_bytes(tiles_of(n))}, src.options().dtype(at::kByte));
+  pici_compress(static_cast<const uint8_t*>(src.const_data_ptr()) + offset * src.element_size(),
+                int(src.element_size()), n, out.mutable_data_ptr<uint8_t>(), out.numel(), scratch.mutable_data_ptr(),
+                nnz.mutable_data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream());
+  return nnz;
+}
+
+at::Tensor coo_compress_cuda(const at::Tensor& src, int64_t offset, int64_t n, at::Tensor& out) {
+  check_range(src, "src", offset, n);
+  check_bytes(out, "out", src);
+  elem_of(src.scalar_type());
+  const c10::cuda::CUDAGuard guard(src.device());
+  auto nnz = at::empty({1}, src.options().dtype(at::kLong));
+  auto values = at::empty({n}, src.options());
+  auto scratch = at::empty({compress_scratch_bytes(tiles_of(n))}, src.options().dtype(at::kByte));
+  coo_compress(static_cast<const uint8_t*>(src.const_data_ptr()) + offset * src.element_size(),
+               int(src.element_size()), n, out.mutable_data_ptr<uint8_t>(), out.numel(), values.mutable_data_ptr(),
+               scratch.mutable_data_ptr(), nnz.mutable_data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream());
+  return nnz;
+}
+
+void check_decode(const at::Tensor& payload, int64_t n, c10::ScalarType value, const at::Tensor& dst,
+                  int64_t offset, bool accumulate) {
+  check_range(dst, "dst", offset, n);
+  check_bytes(payload, "payload", dst);
+  elem_of(value);
+  elem_of(dst.scalar_type());
+  TORCH_CHECK(value == dst.scalar_type() || (accumulate && dst.scalar_type() == at::kFloat),
+              "spccl: cannot decode ", value, " values into a ", dst.scalar_type(),
+              " tensor; only accumulation into float32 mixes types");
+}
+
+at::Tensor pici_decode_cuda(const at::Tensor& payload, int64_t n, c10::ScalarType value, at::Tensor& dst,
+                            int64_t offset, bool accumulate) {
+  check_decode(payload, n, value, dst, offset, accumulate);
+  TORCH_CHECK(payload.numel() >= pici_metadata(n), "spccl: Pici payload of ", payload.numel(),
+              " bytes is shorter than its ", pici_metadata(n), "-byte metadata for n=", n);
+  const c10::cuda::CUDAGuard guard(dst.device());
+  auto status = at::zeros({1}, dst.options().dtype(at::kInt));
+  pici_decompress(payload.const_data_ptr<uint8_t>(), payload.numel(), n, elem_of(value),
+                  static_cast<uint8_t*>(dst.mutable_data_ptr()) + offset * dst.element_size(),
+                  elem_of(dst.scalar_type()), accumulate, status.mutable_data_ptr<int32_t>(),
+                  c10::cuda::getCurrentCUDAStream());
+  return status;
+}
+
+at::Tensor pici_decompress_cuda(const at::Tensor& payload, int64_t n, at::Tensor& dst, int64_t offset) {
+  return pici_decode_cuda(payload, n, dst.scalar_type(), dst, offset, false);
+}
+
+at::Tensor pici_decompress_accumulate_cuda(const at::Tensor& payload, int64_t n, c10::ScalarType dtype,
+                                           at::Tensor& dst, int64_t offset) {
+  return pici_decode_cuda(payload, n, dtype, dst, offset, true);
+}
+
+at::Tensor coo_decode_cuda(const at::Tensor& payload, const at::Tensor& nnz, int64_t n, c10::ScalarType value,
+                           at::Tensor& dst, int64_t offset, bool accumulate) {
+  check_decode(payload, n, value, dst, offset, accumulate);
+  TORCH_CHECK(nnz.device() == dst.device() && nnz.scalar_type() == at::kLong && nnz.numel() == 1,
+              "spccl: nnz must be a one-element int64 tensor on ", dst.device());
+  const c10::cuda::CUDAGuard guard(dst.device());
+  auto status = at::zeros({1}, dst.options().dtype(at::kInt));
+  if (!accumulate) dst.narrow(0, offset, n).zero_();
+  coo_decompress(payload.const_data_ptr<uint8_t>(), payload.numel(), nnz.const_data_ptr<int64_t>(), n,
+                 elem_of(value), static_cast<uint8_t*>(dst.mutable_data_ptr()) + offset * dst.element_size(),
+                 elem_of(dst.scalar_type()), accumulate, status.mutable_data_ptr<int32_t>(),
+                 c10::cuda::getCurrentCUDAStream());
+  return status;
+}
+
+at::Tensor coo_decompress_cuda(const at::Tensor& payload, const at::Tensor& nnz, int64_t n, at::Tensor& dst,
+                               int64_t offset) {
+  return coo_decode_cuda(payload, nnz, n, dst.scalar_type(), dst, offset, false);
+}
+
+at::Tensor coo_decompress_accumulate_cuda(const at::Tensor& payload, const at::Tensor& nnz, int64_t n,
+                                          c10::ScalarType dtype, at::Tensor& dst, int64_t offset) {
+  return coo_decode_cuda(payload, nnz, n, dtype, dst, offset, true);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(spccl, m) {
+  m.def("pici_compress(Tensor src, int offset, int n, Tensor(a!) out) -> Tensor");
+  m.def("pici_decompress(Tensor payload, int n, Tensor(a!) dst, int offset) -> Tensor");
+  m.def("pici_decompress_accumulate(Tensor payload, int n, ScalarType dtype, Tensor(a!) dst, int offset) -> Tensor");
+  m.def("coo_compress(Tensor src, int offset, int n, Tensor(a!) out) -> Tensor");
+  m.def("coo_decompress(Tensor payload, Tensor nnz, int n, Tensor(a!) dst, int offset) -> Tensor");
+  m.def(
+      "coo_decompress_accumulate(Tensor payload, Tensor nnz, int n, ScalarType dtype, Tensor(a!) dst, int offset) "
+      "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(spccl, CUDA, m) {
+  m.impl("pici_compress", &pici_compress_cuda);
+  m.impl("pici_decompress", &pici_decompress_cuda);
+  m.impl("pici_decompress_accumulate", &pici_decompress_accumulate_cuda);
+  m.impl("coo_compress", &coo_compress_cuda);
+  m.impl("coo_decompress", &coo_decompress_cuda);
+  m.impl("coo_decompress_accumulate", &coo_decompress_accumulate_cuda);
+}
+
+}  // namespace spccl

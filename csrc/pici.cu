@@ -1,0 +1,301 @@
+// Pici compress / decompress / decompress-accumulate (layout: shared/design/FORMATS.md).
+//
+// Compression reads the input exactly once: each block stages a 64x64 tile in shared memory,
+// builds the 64 column words, publishes the tile's count, compacts the tile's nonzeros into
+// shared memory, learns its global offset by decoupled look-back, and writes the values out
+// coalesced. The next tile's loads are issued before the current tile is processed.
+#include <type_traits>
+
+#include "common.cuh"
+
+namespace spccl {
+namespace {
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, SPCCL_COMPRESS_MIN_BLOCKS) pici_compress_kernel(
+    const T* __restrict__ src, int64_t n, int64_t tiles, bool aligned, uint8_t* __restrict__ out,
+    int64_t capacity, int64_t index_offset, int64_t values_offset,
+    unsigned long long* __restrict__ status, unsigned int* __restrict__ counter,
+    int64_t* __restrict__ nnz_out) {
+  __shared__ __align__(16) T tile_s[kTile];
+  __shared__ __align__(16) T stage_s[kTile];
+  __shared__ uint16_t part_s[4][kTileRows];
+  __shared__ unsigned long long word_s[kTileRows];
+  __shared__ uint32_t colpre_s[kTileRows];
+  __shared__ uint32_t count_s[kThreads / 32];
+  __shared__ uint32_t total_s, prefix_s, next_count_s, arrived_s;
+  __shared__ int64_t claim_s[2];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  unsigned long long* bits = reinterpret_cast<unsigned long long*>(out);
+  uint32_t* index = reinterpret_cast<uint32_t*>(out + index_offset);
+  T* values = reinterpret_cast<T*>(out + values_offset);
+  const int64_t value_room = (capacity - values_offset) / int64_t(sizeof(T));
+
+  // Each block holds two claims: the tile it processes and the next one, whose loads are in
+  // flight meanwhile. A claimed tile's count is published before the block waits on anything.
+  if (tid == 0) {
+    claim_s[0] = atomicAdd(counter, 1u);
+    claim_s[1] = atomicAdd(counter, 1u);
+    next_count_s = 0;
+    arrived_s = 0;
+  }
+  __syncthreads();
+  int64_t tile = claim_s[0], next = claim_s[1];
+  TileRegisters<T> regs;
+  if (tile < tiles) {
+    regs.load(src, n, tile, aligned);
+    publish_count(regs, tile, status, count_s);
+  }
+
+  while (tile < tiles) {
+    regs.store_shared(tile_s);
+    __syncthreads();
+    if (next < tiles) regs.load(src, n, next, aligned);  // in flight while this tile is processed
+
+    // Phase 1: thread (column c, quarter g) scans rows 16g..16g+15 of column c.
+    {
+      const int c = tid & 63, g = tid >> 6;
+      uint32_t m = 0;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) m |= uint32_t(is_nonzero(tile_s[(16 * g + i) * kTileRows + c])) << i;
+      part_s[g][c] = uint16_t(m);
+    }
+    __syncthreads();
+
+    // Phase 2: warp 0 assembles the column words (two adjacent columns per lane), writes B,
+    // and prefix-sums the column counts with shuffles.
+    if (warp == 0) {
+      const int c0 = 2 * lane, c1 = c0 + 1;
+      unsigned long long w0 = 0, w1 = 0;
+#pragma unroll
+      for (int g = 0; g < 4; ++g) {
+        w0 |= (unsigned long long)part_s[g][c0] << (16 * g);
+        w1 |= (unsigned long long)part_s[g][c1] << (16 * g);
+      }
+      word_s[c0] = w0;
+      word_s[c1] = w1;
+      reinterpret_cast<ulonglong2*>(bits + tile * kTileRows)[lane] = make_ulonglong2(w0, w1);
+      const uint32_t n0 = __popcll(w0), n1 = __popcll(w1);
+      const uint32_t inclusive = warp_inclusive_scan(n0 + n1, lane);
+      colpre_s[c0] = inclusive - n0 - n1;
+      colpre_s[c1] = inclusive - n1;
+      if (lane == 31) total_s = inclusive;
+    }
+    __syncthreads();
+
+    // Phases 3-4 overlap: warp 0 publishes the next tile's count and looks back for this
+    // tile's offset while warps 1-7 compact; then warp 0 compacts its own share.
+    if (warp == 0) {
+      if (next < tiles) add_count_and_publish(regs, next, status, &next_count_s, &arrived_s);
+      const uint32_t exclusive = tile == 0 ? 0u : look_back(status, tile, lane);
+      if (lane == 0) {
+        claim_s[0] = atomicAdd(counter, 1u);
+        const uint32_t inclusive = exclusive + total_s;
+        if (tile > 0) store_volatile(status + tile, kFlagPrefix | inclusive);
+        prefix_s = exclusive;
+        index[tile] = exclusive;
+        if (tile == tiles - 1) {
+          index[tiles] = inclusive;
+          // Zero the padding after I up to the 16-byte aligned values.
+          for (int64_t i = 4 * (tiles + 1); i < values_offset - index_offset; i += 4) index[i / 4] = 0u;
+          *nnz_out = inclusive;
+        }
+      }
+    }
+    // Phase 3: compact this thread's column segment into stage_s (tile-local positions),
+    // walking its set bits with ffs.
+    {
+      const int c = tid & 63, g = tid >> 6;
+      const unsigned long long w = word_s[c];
+      uint32_t m = uint32_t(w >> (16 * g)) & 0xffffu;
+      uint32_t pos = colpre_s[c] + __popcll(w & ((1ull << (16 * g)) - 1ull));
+      while (m) {
+        const int r = __ffs(m) - 1;
+        m &= m - 1;
+        stage_s[pos++] = tile_s[(16 * g + r) * kTileRows + c];
+      }
+    }
+    if (warp != 0 && next < tiles) add_count_and_publish(regs, next, status, &next_count_s, &arrived_s);
+    __syncthreads();
+
+    // Phase 5: coalesced copy of the compacted values; nothing is written past capacity.
+    {
+      const uint32_t total = total_s;
+      const int64_t base = prefix_s;
+      for (uint32_t i = tid; i < total; i += kThreads) {
+        if (base + i < value_room) values[base + i] = stage_s[i];
+      }
+    }
+    const int64_t after = claim_s[0];
+    __syncthreads();
+    tile = next;
+    next = after;
+  }
+}
+
+// Decompression: one block per tile and no barriers. Every warp reads the tile's 64 words and
+// index step (L1 broadcasts) and writes 8 of its rows; lane l owns columns 2l and 2l+1, holds
+// their words and offsets into A in registers, and stores each row as one coalesced pair per
+// lane. Values come from A at offset colprefix + popcount(word below the row); the block's
+// warps share one tile, so its values stay in L1.
+template <typename V, typename D, bool kAccumulate>
+__global__ void __launch_bounds__(kThreads, SPCCL_DECOMPRESS_MIN_BLOCKS) pici_decompress_kernel(
+    const uint8_t* __restrict__ payload, int64_t capacity, int64_t n, int64_t tiles,
+    int64_t index_offset, int64_t values_offset, D* __restrict__ dst, bool aligned,
+    int32_t* __restrict__ status) {
+  constexpr int kRows = kTileRows / (kThreads / 32);  // rows per warp
+  union Pair {
+    D e[2];
+    typename std::conditional<sizeof(D) == 4, uint2, uint32_t>::type vec;
+  };
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned long long* bits = reinterpret_cast<const unsigned long long*>(payload);
+  const uint32_t* index = reinterpret_cast<const uint32_t*>(payload + index_offset);
+  const V* values = reinterpret_cast<const V*>(payload + values_offset);
+  const int64_t nnz = index[tiles];
+  const int64_t value_room = (capacity - values_offset) / int64_t(sizeof(V));
+  if (nnz > n || nnz > value_room) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(status, kBadNnz);
+    return;
+  }
+  const int c0 = 2 * lane, c1 = c0 + 1;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const ulonglong2 w = reinterpret_cast<const ulonglong2*>(bits + tile * kTileRows)[lane];
+    const uint32_t lo = index[tile], hi = index[tile + 1];
+    const uint32_t n0 = __popcll(w.x), n1 = __popcll(w.y);
+    const uint32_t inclusive = warp_inclusive_scan(n0 + n1, lane);
+    const uint32_t total = __shfl_sync(kFullMask, inclusive, 31);
+    const int64_t base = tile * kTile;
+    const int64_t rest = n - base;
+    bool past_end = false;
+    if (rest < kTile) {  // column c holds rows r with 64 r + c < rest
+      const int64_t rows0 = rest > c0 ? (rest - c0 + 63) / 64 : 0;
+      const int64_t rows1 = rest > c1 ? (rest - c1 + 63) / 64 : 0;
+      past_end = (rows0 < 64 && (w.x >> rows0)) || (rows1 < 64 && (w.y >> rows1));
+    }
+    int bad = __any_sync(kFullMask, past_end) ? kPastEnd : 0;
+    if (hi < lo || (tile == 0 && lo != 0)) bad |= kBadIndex;
+    else if (hi - lo != total) bad |= kBadTileCount;
+    if (hi > nnz) bad |= kBadNnz;
+    if (bad) {  // block-uniform: every warp computed the same `bad`
+      if (warp == 0 && lane == 0) atomicOr(status, bad);
+      continue;
+    }
+    const V* col0 = values + lo + (inclusive - n0 - n1);
+    const V* col1 = col0 + n0;
+    const bool full = aligned && rest >= kTile;
+    D* out = dst + base + c0;
+    Pair row[kRows];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int r = warp * kRows + i;
+      const unsigned long long below = (1ull << r) - 1ull;
+      if constexpr (kAccumulate) {
+        if (full) {
+          row[i].vec = *reinterpret_cast<const decltype(row[i].vec)*>(out + r * kTileRows);
+        } else {
+          row[i].e[0] = base + r * kTileRows + c0 < n ? out[r * kTileRows] : from_float<D>(0.f);
+          row[i].e[1] = base + r * kTileRows + c1 < n ? out[r * kTileRows + 1] : from_float<D>(0.f);
+        }
+        if ((w.x >> r) & 1ull) row[i].e[0] = from_float<D>(to_float(row[i].e[0]) + to_float(col0[__popcll(w.x & below)]));
+        if ((w.y >> r) & 1ull) row[i].e[1] = from_float<D>(to_float(row[i].e[1]) + to_float(col1[__popcll(w.y & below)]));
+      } else {
+        row[i].e[0] = (w.x >> r) & 1ull ? col0[__popcll(w.x & below)] : D(0);
+        row[i].e[1] = (w.y >> r) & 1ull ? col1[__popcll(w.y & below)] : D(0);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int r = warp * kRows + i;
+      if (full) {
+        *reinterpret_cast<decltype(row[i].vec)*>(out + r * kTileRows) = row[i].vec;
+      } else {
+        if (base + r * kTileRows + c0 < n) out[r * kTileRows] = row[i].e[0];
+        if (base + r * kTileRows + c1 < n) out[r * kTileRows + 1] = row[i].e[1];
+      }
+    }
+  }
+}
+
+struct PiciOffsets {
+  int64_t tiles, index_offset, values_offset;
+  explicit PiciOffsets(int64_t n)
+      : tiles((n + kTile - 1) / kTile),
+        index_offset(512 * tiles),
+        values_offset(512 * tiles + align16(4 * (tiles + 1))) {}
+};
+
+template <typename T>
+void launch_compress(const T* src, int64_t n, uint8_t* out, int64_t capacity, void* scratch,
+                     int64_t* nnz, cudaStream_t stream) {
+  const PiciOffsets off(n);
+  auto* status = static_cast<unsigned long long*>(scratch);
+  auto* counter = reinterpret_cast<unsigned int*>(status + off.tiles);
+  check_cuda(cudaMemsetAsync(scratch, 0, compress_scratch_bytes(off.tiles), stream), "cudaMemsetAsync");
+  const bool aligned = reinterpret_cast<uintptr_t>(src) % 16 == 0;
+  auto kernel = pici_compress_kernel<T>;
+  const int blocks = resident_blocks(kernel, off.tiles);
+  kernel<<<blocks, kThreads, 0, stream>>>(src, n, off.tiles, aligned, out, capacity, off.index_offset,
+                                          off.values_offset, status, counter, nnz);
+  check_launch("pici_compress_kernel");
+}
+
+template <typename V, typename D, bool kAccumulate>
+void launch_decompress(const uint8_t* payload, int64_t capacity, int64_t n, void* dst, int32_t* status,
+                       cudaStream_t stream) {
+  const PiciOffsets off(n);
+  const bool aligned = reinterpret_cast<uintptr_t>(dst) % 16 == 0;
+  auto kernel = pici_decompress_kernel<V, D, kAccumulate>;
+  kernel<<<resident_blocks(kernel, off.tiles), kThreads, 0, stream>>>(
+      payload, capacity, n, off.tiles, off.index_offset, off.values_offset, static_cast<D*>(dst), aligned,
+      status);
+  check_launch("pici_decompress_kernel");
+}
+
+}  // namespace
+
+int64_t compress_scratch_bytes(int64_t tiles) { return 8 * tiles + 8; }
+
+void pici_compress(const void* src, int elem_bytes, int64_t n, uint8_t* out, int64_t capacity,
+                   void* scratch, int64_t* nnz, cudaStream_t stream) {
+  const PiciOffsets off(n);
+  if (n == 0) {
+    // No tiles: the payload is I = [0] and its padding.
+    check_cuda(cudaMemsetAsync(out, 0, off.values_offset, stream), "cudaMemsetAsync");
+    check_cuda(cudaMemsetAsync(nnz, 0, sizeof(int64_t), stream), "cudaMemsetAsync");
+    return;
+  }
+  if (elem_bytes == 4) {
+    launch_compress(static_cast<const uint32_t*>(src), n, out, capacity, scratch, nnz, stream);
+  } else {
+    launch_compress(static_cast<const uint16_t*>(src), n, out, capacity, scratch, nnz, stream);
+  }
+}
+
+void pici_decompress(const uint8_t* payload, int64_t capacity, int64_t n, Elem value, void* dst,
+                     Elem dst_type, bool accumulate, int32_t* status, cudaStream_t stream) {
+  if (n == 0) return;
+  if (!accumulate) {
+    // Overwrite copies bits: the element size is all that matters.
+    if (value == Elem::kF32) {
+      launch_decompress<uint32_t, uint32_t, false>(payload, capacity, n, dst, status, stream);
+    } else {
+      launch_decompress<uint16_t, uint16_t, false>(payload, capacity, n, dst, status, stream);
+    }
+  } else if (dst_type == Elem::kF32) {
+    if (value == Elem::kF32) {
+      launch_decompress<float, float, true>(payload, capacity, n, dst, status, stream);
+    } else if (value == Elem::kBF16) {
+      launch_decompress<__nv_bfloat16, float, true>(payload, capacity, n, dst, status, stream);
+    } else {
+      launch_decompress<__half, float, true>(payload, capacity, n, dst, status, stream);
+    }
+  } else if (dst_type == Elem::kBF16) {
+    launch_decompress<__nv_bfloat16, __nv_bfloat16, true>(payload, capacity, n, dst, status, stream);
+  } else {
+    launch_decompress<__half, __half, true>(payload, capacity, n, dst, status, stream);
+  }
+}
+
+}  // namespace spccl

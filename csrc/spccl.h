@@ -1,0 +1,47 @@
+// Host-side entry points of the spccl CUDA kernels. Plain C++ (no torch headers) so the .cu
+// files compile fast and alone; ops.cpp checks arguments and calls these on torch's stream.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace spccl {
+
+// Element types the formats carry. Compression and plain decompression only move bits, so
+// they need the element size alone; accumulation also needs the arithmetic type.
+enum class Elem : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// Status bits a decoder reports (0 = the payload was valid). Kept in step with
+// spccl_train/formats/codec.py::_STATUS_BITS.
+constexpr int kBadIndex = 1;      // I[0] != 0 or I decreases
+constexpr int kBadTileCount = 2;  // popcount of a tile's words != its index step
+constexpr int kBadNnz = 4;        // nnz > n, or the values do not fit in the payload
+constexpr int kPastEnd = 8;       // a nonzero marked at a position >= n
+constexpr int kNotAscending = 16; // COO positions not strictly ascending
+
+// Bytes of scratch the compressors need for `tiles` tiles (look-back status + tile counter).
+int64_t compress_scratch_bytes(int64_t tiles);
+
+// Pici-encode src[0, n) (elem_bytes 4 or 2) into out[0, capacity). Writes nnz to *nnz.
+// `scratch` must hold compress_scratch_bytes(ceil(n / 4096)) bytes; it is cleared here.
+void pici_compress(const void* src, int elem_bytes, int64_t n, uint8_t* out, int64_t capacity,
+                   void* scratch, int64_t* nnz, cudaStream_t stream);
+
+// Decode a Pici payload of n elements into dst[0, n): overwrite (value == dst type), or
+// accumulate (dst is `value` or kF32). ORs problems into *status.
+void pici_decompress(const uint8_t* payload, int64_t capacity, int64_t n, Elem value,
+                     void* dst, Elem dst_type, bool accumulate, int32_t* status,
+                     cudaStream_t stream);
+
+// COO-encode src[0, n) into out[0, capacity). `values_scratch` holds n elements and
+// `scratch` compress_scratch_bytes(tiles) bytes.
+void coo_compress(const void* src, int elem_bytes, int64_t n, uint8_t* out, int64_t capacity,
+                  void* values_scratch, void* scratch, int64_t* nnz, cudaStream_t stream);
+
+// Decode a COO payload with *nnz (device) nonzeros over n elements into dst[0, n). For
+// overwrite the caller zeroes dst first.
+void coo_decompress(const uint8_t* payload, int64_t capacity, const int64_t* nnz, int64_t n,
+                    Elem value, void* dst, Elem dst_type, bool accumulate, int32_t* status,
+                    cudaStream_t stream);
+
+}  // namespace spccl

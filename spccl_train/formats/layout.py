@@ -1,0 +1,202 @@
+"""Byte layout of the Pici, COO and dense wire formats: every size and offset, in one place.
+
+The normative description is ``shared/design/FORMATS.md``; the reference codec, the CUDA
+kernels (``csrc/``) and the collectives all take their numbers from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+__all__ = [
+    "TILE",
+    "TILE_ROWS",
+    "MAX_ELEMENTS",
+    "SUPPORTED_DTYPES",
+    "Format",
+    "PiciLayout",
+    "CooLayout",
+    "align16",
+    "element_size",
+    "check_dtype",
+    "check_length",
+    "num_tiles",
+    "pici_bytes",
+    "pici_layout",
+    "pici_metadata_bytes",
+    "coo_bytes",
+    "coo_layout",
+    "dense_bytes",
+    "payload_bytes",
+    "capacity_bytes",
+    "coo_nnz_from_bytes",
+]
+
+TILE_ROWS = 64
+"""A Pici virtual tile is ``TILE_ROWS x TILE_ROWS`` elements, row-major."""
+TILE = TILE_ROWS * TILE_ROWS
+"""Elements per Pici tile (4096): one 64-bit bitvector word per tile column."""
+MAX_ELEMENTS = 2**32 - 1
+"""Largest encodable range: indices and prefix sums are uint32 on the wire."""
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Format(str, enum.Enum):
+    """A wire format a message can travel in."""
+
+    DENSE = "dense"
+    PICI = "pici"
+    COO = "coo"
+
+
+def align16(nbytes: int) -> int:
+    """Round ``nbytes`` up to a multiple of 16."""
+    return (nbytes + 15) & ~15
+
+
+def check_dtype(dtype: torch.dtype) -> None:
+    """Raise if ``dtype`` is not an element type the sparse formats carry."""
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"unsupported dtype {dtype}: the sparse formats carry {names}; cast first")
+
+
+def check_length(n: int) -> None:
+    """Raise if ``n`` is not an encodable number of elements."""
+    if not 0 <= n <= MAX_ELEMENTS:
+        raise ValueError(
+            f"cannot encode {n} elements: a payload holds 0 to {MAX_ELEMENTS} (uint32 positions); "
+            "split the tensor into smaller ranges"
+        )
+
+
+def element_size(dtype: torch.dtype) -> int:
+    """Bytes per element of a supported dtype."""
+    check_dtype(dtype)
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def num_tiles(n: int) -> int:
+    """Number of 4096-element Pici tiles covering ``n`` elements."""
+    return (n + TILE - 1) // TILE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PiciLayout:
+    """Offsets (bytes from the payload start) of the three parts of a Pici payload."""
+
+    n: int
+    """Elements encoded."""
+    tiles: int
+    """Number of 64x64 tiles, ``ceil(n / 4096)``."""
+    bits_offset: int
+    """Start of ``B``: ``64 * tiles`` uint64 column words."""
+    index_offset: int
+    """Start of ``I``: ``tiles + 1`` uint32 exclusive prefix sums (last one is nnz)."""
+    values_offset: int
+    """Start of ``A``: the nonzero values, by tile, then column, then row."""
+
+    @property
+    def metadata_bytes(self) -> int:
+        """Bytes before the values: ``B`` plus the 16-byte aligned ``I``."""
+        return self.values_offset
+
+    def nbytes(self, nnz: int, dtype: torch.dtype) -> int:
+        """Total payload size for ``nnz`` nonzeros of ``dtype``."""
+        return self.values_offset + nnz * element_size(dtype)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CooLayout:
+    """Offsets of the two parts of a COO payload (depends on nnz, not on n)."""
+
+    nnz: int
+    """Nonzeros encoded."""
+    index_offset: int
+    """Start of the ascending uint32 positions (always 0)."""
+    values_offset: int
+    """Start of the values: ``align16(4 * nnz)``."""
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        """Total payload size for values of ``dtype``."""
+        return self.values_offset + self.nnz * element_size(dtype)
+
+
+def pici_layout(n: int) -> PiciLayout:
+    """Layout of a Pici payload encoding ``n`` elements."""
+    check_length(n)
+    tiles = num_tiles(n)
+    index_offset = 8 * TILE_ROWS * tiles
+    return PiciLayout(
+        n=n,
+        tiles=tiles,
+        bits_offset=0,
+        index_offset=index_offset,
+        values_offset=index_offset + align16(4 * (tiles + 1)),
+    )
+
+
+def pici_metadata_bytes(n: int) -> int:
+    """Bytes of ``B`` and ``I`` for ``n`` elements: the Pici size at nnz = 0."""
+    return pici_layout(n).metadata_bytes
+
+
+def pici_bytes(n: int, nnz: int, dtype: torch.dtype) -> int:
+    """``512*NT + align16(4*(NT+1)) + nnz*sizeof(T)``: size of a Pici payload."""
+    return pici_layout(n).nbytes(nnz, dtype)
+
+
+def coo_layout(nnz: int) -> CooLayout:
+    """Layout of a COO payload holding ``nnz`` nonzeros."""
+    check_length(nnz)
+    return CooLayout(nnz=nnz, index_offset=0, values_offset=align16(4 * nnz))
+
+
+def coo_bytes(n: int, nnz: int, dtype: torch.dtype) -> int:
+    """``align16(4*nnz) + nnz*sizeof(T)``: size of a COO payload (``n`` only bounds nnz)."""
+    check_length(n)
+    if not 0 <= nnz <= n:
+        raise ValueError(f"nnz={nnz} is outside [0, n={n}]")
+    return coo_layout(nnz).nbytes(dtype)
+
+
+def dense_bytes(n: int, dtype: torch.dtype) -> int:
+    """``n * sizeof(T)``: the raw elements."""
+    check_length(n)
+    return n * element_size(dtype)
+
+
+def payload_bytes(fmt: Format | str, n: int, nnz: int, dtype: torch.dtype) -> int:
+    """Size of a payload of format ``fmt`` for ``n`` elements with ``nnz`` nonzeros."""
+    fmt = Format(fmt)
+    if fmt is Format.PICI:
+        return pici_bytes(n, nnz, dtype)
+    if fmt is Format.COO:
+        return coo_bytes(n, nnz, dtype)
+    return dense_bytes(n, dtype)
+
+
+def capacity_bytes(fmt: Format | str, n: int, dtype: torch.dtype) -> int:
+    """Worst-case payload size (every element nonzero): a buffer this large never overflows."""
+    return payload_bytes(fmt, n, n, dtype)
+
+
+def coo_nnz_from_bytes(nbytes: int, dtype: torch.dtype) -> int:
+    """Invert ``coo_bytes``: the nnz of a COO payload of exactly ``nbytes`` bytes.
+
+    Raises ``ValueError`` when no nnz gives that size (a truncated or padded payload).
+    """
+    size = element_size(dtype)
+    # coo_bytes grows strictly with nnz and nnz*(4+size) <= nbytes < nnz*(4+size) + 16.
+    nnz = max(0, (nbytes - 15) // (4 + size))
+    while align16(4 * nnz) + nnz * size < nbytes:
+        nnz += 1
+    if align16(4 * nnz) + nnz * size != nbytes:
+        raise ValueError(
+            f"{nbytes} bytes is not the size of any COO payload of {dtype}: "
+            "pass the payload exactly as coo_encode returned it"
+        )
+    return nnz
