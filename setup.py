@@ -44,7 +44,7 @@ def _extensions():
         name="spccl_train._C",
         sources=sources,
         include_dirs=[str(CSRC)],
-        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]},
+        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-lineinfo"]},
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 

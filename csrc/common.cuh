@@ -18,16 +18,14 @@ constexpr int kTile = kTileRows * kTileRows;  // elements per tile
 constexpr int kThreads = 256;                 // threads per block, one tile at a time
 constexpr unsigned kFullMask = 0xffffffffu;
 
-// Tuning knobs, measured on H200 (bench/results/): predecessors each look-back lane examines
-// per round, and the minimum resident blocks per SM of the Pici kernels (caps registers).
+// Tuning knobs, measured on H200 (bench/results/NOTES.md): predecessors each look-back lane
+// examines per round, and the Pici compressor's minimum resident blocks per SM (caps its
+// registers: 5 measured 3-5 points above 6, 4 and the uncapped 44 registers).
 #ifndef SPCCL_LOOKBACK_PER_LANE
-#define SPCCL_LOOKBACK_PER_LANE 4
+#define SPCCL_LOOKBACK_PER_LANE 1
 #endif
 #ifndef SPCCL_COMPRESS_MIN_BLOCKS
-#define SPCCL_COMPRESS_MIN_BLOCKS 6
-#endif
-#ifndef SPCCL_DECOMPRESS_MIN_BLOCKS
-#define SPCCL_DECOMPRESS_MIN_BLOCKS 1
+#define SPCCL_COMPRESS_MIN_BLOCKS 5
 #endif
 
 // Look-back status word of a tile: flag in bits 32-33, count or prefix in bits 0-31.
@@ -105,10 +103,10 @@ __device__ __forceinline__ void store_volatile(unsigned long long* p, unsigned l
 }
 
 // Decoupled look-back (Merrill & Garland): called by one whole warp for `tile` > 0. Each lane
-// examines 16 predecessors per round, 512 per L2 round trip: with ~800 tiles in flight and
-// round trips near 1 us under load, a 32-wide look-back caps the prefix frontier (and so the
-// whole compactor) well below DRAM bandwidth. Waits for each predecessor to publish,
-// and sums aggregates until it meets an inclusive prefix. Returns the exclusive prefix.
+// examines SPCCL_LOOKBACK_PER_LANE predecessors per round, waiting for each to publish, and the
+// warp sums aggregates until it meets an inclusive prefix. Returns the exclusive prefix.
+// Measured on H200 (1 GiB fp32): 1 per lane is best; 4, 8, 16 per lane cost 5, 20, 45 points of
+// bandwidth, since every extra status load lands on the few hot L2 lines being published.
 // Progress is guaranteed because tiles are claimed in order from an atomic counter by
 // resident blocks, and a block publishes a claimed tile's count before it waits on anything.
 __device__ __forceinline__ uint32_t look_back(unsigned long long* status, int64_t tile, int lane) {

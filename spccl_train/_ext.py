@@ -80,7 +80,7 @@ def _jit_build() -> None:
         sources=sources,
         extra_include_paths=[str(src)],
         extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3", "--use_fast_math", "-lineinfo"],
+        extra_cuda_cflags=["-O3", "-lineinfo"],
         build_directory=str(_build_dir()),
         is_python_module=False,
         verbose=os.environ.get("SPCCL_EXT_VERBOSE") == "1",

@@ -6,6 +6,7 @@ pure-torch oracle in :mod:`.reference`, and dispatch to the CUDA kernels in :mod
 
 from .codec import (
     CorruptPayloadError,
+    DecodeStatus,
     PayloadTooSmallError,
     compress_into,
     coo_decode,
@@ -35,6 +36,7 @@ from .layout import (
 
 __all__ = [
     "CorruptPayloadError",
+    "DecodeStatus",
     "PayloadTooSmallError",
     "Format",
     "MAX_ELEMENTS",

@@ -8,6 +8,8 @@ with the device. The simple forms (:func:`pici_encode`, :func:`pici_decode`, :fu
 
 from __future__ import annotations
 
+import enum
+
 import torch
 
 from .._ext import kernels_available
@@ -16,6 +18,7 @@ from .layout import Format, capacity_bytes, check_dtype, check_length, coo_nnz_f
 from .reference import CorruptPayloadError, PayloadTooSmallError
 
 __all__ = [
+    "DecodeStatus",
     "CorruptPayloadError",
     "PayloadTooSmallError",
     "compress_into",
@@ -28,12 +31,28 @@ __all__ = [
     "coo_decode",
 ]
 
-_STATUS_BITS = {
-    1: "the index array does not start at 0 or decreases",
-    2: "a tile's bitvector popcount disagrees with its index step",
-    4: "nnz exceeds n or what the payload can hold",
-    8: "nonzeros are marked past the end of the range",
-    16: "COO positions are not strictly ascending",
+class DecodeStatus(enum.IntFlag):
+    """Bits of the status a decoder reports (``csrc/spccl.h`` uses the same values)."""
+
+    OK = 0
+    BAD_INDEX = 1
+    """Pici: the index array does not start at 0 or decreases."""
+    BAD_TILE_COUNT = 2
+    """Pici: a tile's bitvector popcount disagrees with its index step."""
+    BAD_NNZ = 4
+    """nnz exceeds n or what the payload can hold."""
+    PAST_END = 8
+    """Nonzeros are marked at positions >= n."""
+    NOT_ASCENDING = 16
+    """COO: positions are not strictly ascending."""
+
+
+_STATUS_TEXT = {
+    DecodeStatus.BAD_INDEX: "the index array does not start at 0 or decreases",
+    DecodeStatus.BAD_TILE_COUNT: "a tile's bitvector popcount disagrees with its index step",
+    DecodeStatus.BAD_NNZ: "nnz exceeds n or what the payload can hold",
+    DecodeStatus.PAST_END: "nonzeros are marked past the end of the range",
+    DecodeStatus.NOT_ASCENDING: "COO positions are not strictly ascending",
 }
 
 
@@ -46,7 +65,7 @@ def raise_for_status(status: torch.Tensor | int, fmt: Format | str) -> None:
     """Raise :class:`CorruptPayloadError` for a nonzero kernel status (synchronises)."""
     code = int(status.item()) if isinstance(status, torch.Tensor) else int(status)
     if code:
-        reasons = "; ".join(text for bit, text in _STATUS_BITS.items() if code & bit)
+        reasons = "; ".join(text for bit, text in _STATUS_TEXT.items() if code & bit)
         raise CorruptPayloadError(f"corrupt {Format(fmt).value} payload: {reasons} (status {code})")
 
 
@@ -162,12 +181,13 @@ def decompress_into(
             accumulate bfloat16 / float16 payloads (fp32 sums, no intermediate rounding).
         check: raise :class:`CorruptPayloadError` on a corrupt payload. On CUDA this reads the
             kernel's status (a synchronisation); with ``check=False`` the status tensor is
-            returned instead (0 = good) for the caller to check later. A corrupt payload
-            never makes the kernels read or write out of bounds.
+            returned instead, for the caller to check later (:func:`raise_for_status`). A
+            corrupt payload never makes the kernels read or write out of bounds; the reference
+            raises at once even with ``check=False``.
 
     Returns:
-        ``None`` when checked; otherwise a one-element int32 status tensor (CUDA) or ``None``
-        (the reference raises at once).
+        ``None`` when checked; otherwise a one-element int32 :class:`DecodeStatus` tensor on
+        ``dst``'s device (0 = good).
     """
     fmt = Format(fmt)
     if fmt is Format.DENSE:
@@ -192,9 +212,11 @@ def decompress_into(
             reference.pici_decompress(payload, n, dst, offset, accumulate=accumulate, dtype=dtype)
         else:
             reference.coo_decompress(payload, int(nnz), n, dst, offset, accumulate=accumulate, dtype=dtype)
-        return None
+        return None if check else torch.zeros(1, dtype=torch.int32, device=dst.device)
     if payload.data_ptr() % 16:
-        payload = payload.clone()  # the kernels read words; a fresh allocation is aligned
+        # The kernels read 8- and 16-byte words. Collectives keep payloads aligned; this copy
+        # serves users decoding a payload sliced out of a larger buffer.
+        payload = payload.clone()
     if fmt is Format.PICI:
         if payload.numel() < pici_layout(n).metadata_bytes:
             raise CorruptPayloadError(
@@ -247,6 +269,7 @@ def coo_encode(x: torch.Tensor) -> torch.Tensor:
 
 def pici_decode(payload: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
     """Decode a Pici payload of ``n`` elements of ``dtype`` into a new 1-D tensor on its device."""
+    check_length(n)
     dst = torch.empty(n, dtype=dtype, device=payload.device)
     decompress_into(Format.PICI, payload, dst)
     return dst
@@ -255,6 +278,7 @@ def pici_decode(payload: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tens
 def coo_decode(payload: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
     """Decode a COO payload (exactly as :func:`coo_encode` returned it) into a new 1-D tensor."""
     payload = _byte_buffer("payload", payload)
+    check_length(n)
     nnz = coo_nnz_from_bytes(payload.numel(), dtype)
     dst = torch.empty(n, dtype=dtype, device=payload.device)
     decompress_into(Format.COO, payload, dst, nnz=nnz)

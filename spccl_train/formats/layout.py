@@ -144,9 +144,16 @@ def pici_metadata_bytes(n: int) -> int:
     return pici_layout(n).metadata_bytes
 
 
+def _check_nnz(n: int, nnz: int) -> None:
+    if not 0 <= nnz <= n:
+        raise ValueError(f"nnz={nnz} is outside [0, n={n}]")
+
+
 def pici_bytes(n: int, nnz: int, dtype: torch.dtype) -> int:
     """``512*NT + align16(4*(NT+1)) + nnz*sizeof(T)``: size of a Pici payload."""
-    return pici_layout(n).nbytes(nnz, dtype)
+    layout = pici_layout(n)
+    _check_nnz(n, nnz)
+    return layout.nbytes(nnz, dtype)
 
 
 def coo_layout(nnz: int) -> CooLayout:
@@ -158,8 +165,7 @@ def coo_layout(nnz: int) -> CooLayout:
 def coo_bytes(n: int, nnz: int, dtype: torch.dtype) -> int:
     """``align16(4*nnz) + nnz*sizeof(T)``: size of a COO payload (``n`` only bounds nnz)."""
     check_length(n)
-    if not 0 <= nnz <= n:
-        raise ValueError(f"nnz={nnz} is outside [0, n={n}]")
+    _check_nnz(n, nnz)
     return coo_layout(nnz).nbytes(dtype)
 
 

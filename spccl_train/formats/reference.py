@@ -157,7 +157,9 @@ def pici_decompress(
     by_column, values = _pici_parse(payload, n, dtype)
     tiles = by_column.shape[0]
     dense = torch.zeros(tiles, TILE_ROWS, TILE_ROWS, dtype=dtype, device=payload.device)
-    dense[by_column] = values
+    # masked_scatter_ copies bits; a boolean-index assignment of one value fills from a Python
+    # float and would canonicalise a lone NaN.
+    dense.masked_scatter_(by_column, values)
     dense = dense.transpose(1, 2).reshape(-1)[:n].to(dst.device)
     target = dst[offset : offset + n]
     if accumulate:
