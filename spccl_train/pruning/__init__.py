@@ -1,0 +1,15 @@
+"""Gradient layer: sampled top-k pruning with leaky error feedback (Triton kernels + torch reference)."""
+
+from .pruner import PruneConfig, Pruner, PruneResult, uses_triton
+from .reference import keep_count, prune_with_error_feedback, sample_size, threshold_from_sample
+
+__all__ = [
+    "PruneConfig",
+    "PruneResult",
+    "Pruner",
+    "keep_count",
+    "prune_with_error_feedback",
+    "sample_size",
+    "threshold_from_sample",
+    "uses_triton",
+]
