@@ -1,7 +1,15 @@
 """spccl-train: exact sparse collectives (Pici / COO) and a sparse-gradient training plugin."""
 
 from . import formats
+from .collectives import CollectiveConfig, all_gather_into_tensor, all_reduce, reduce_scatter_tensor
 
-__all__ = ["formats", "__version__"]
+__all__ = [
+    "formats",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "CollectiveConfig",
+    "__version__",
+]
 
 __version__ = "0.1.0"

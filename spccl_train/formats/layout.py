@@ -76,7 +76,7 @@ def check_length(n: int) -> None:
 def element_size(dtype: torch.dtype) -> int:
     """Bytes per element of a supported dtype."""
     check_dtype(dtype)
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def num_tiles(n: int) -> int:

@@ -1,0 +1,45 @@
+"""Exact sparse collectives: all-gather, reduce-scatter and all-reduce over Pici, COO or dense.
+
+``all_gather_into_tensor``, ``reduce_scatter_tensor`` and ``all_reduce`` take the arguments of
+their ``torch.distributed`` namesakes plus a :class:`CollectiveConfig`. Layers inside:
+:mod:`.chunking` (how tensors are cut), :mod:`.exchange` (the one planning exchange),
+:mod:`.plan` (format and size of every message), :mod:`.cost` (the model behind ``auto``),
+:mod:`.topology` (nodes), and the ring and direct executors. Design:
+``shared/design/ARCHITECTURE.md``.
+"""
+
+from .api import CollectiveStats, CollectiveWork, all_gather_into_tensor, all_reduce, last_stats, reduce_scatter_tensor
+from .choice import Candidate, choose
+from .chunking import ChunkLayout, Span
+from .config import DEFAULT_THRESHOLDS, CollectiveConfig, ResolvedThresholds, Thresholds
+from .cost import CodecCost, CostModel, LinkCost
+from .plan import Message, Phase, Plan, Route, Step, plan_all_gather, plan_reduce_scatter
+from .topology import Topology
+
+__all__ = [
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "CollectiveConfig",
+    "Thresholds",
+    "ResolvedThresholds",
+    "DEFAULT_THRESHOLDS",
+    "CollectiveWork",
+    "CollectiveStats",
+    "last_stats",
+    "ChunkLayout",
+    "Candidate",
+    "choose",
+    "Span",
+    "CostModel",
+    "LinkCost",
+    "CodecCost",
+    "Message",
+    "Phase",
+    "Plan",
+    "Route",
+    "Step",
+    "plan_all_gather",
+    "plan_reduce_scatter",
+    "Topology",
+]

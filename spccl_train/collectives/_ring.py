@@ -1,0 +1,231 @@
+"""The ring algorithm of the SpCCL paper, run from a plan: reduce-scatter and all-gather phases.
+
+Ranks pass chunks to their right neighbour ``rank + 1`` in ``world - 1`` steps per phase. Each
+chunk is cut into pieces (channels) and the loop is software-pipelined by piece: piece ``k`` of
+step ``s`` is finished (received, reduced or decoded) and then piece ``k`` of step ``s + 1`` is
+encoded and posted, so while piece ``k`` is on the wire the next pieces are being encoded. On
+CUDA, ``Work.wait()`` orders the current stream after NCCL's and never blocks the host.
+
+Buffers (one allocation per call, reused by every step): per piece, one send slot for encoded
+payloads and two receive slots (alternating by step parity, so a slot being forwarded or
+reduced is never the one being received into). A piece's slots are reused only after its
+previous step's works completed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..transport import P2PTransport
+from ._wire import StatusSink, as_bytes, carve, decode, encode
+from .chunking import ChunkLayout
+from .plan import Message, Step
+
+__all__ = ["ring_reduce_scatter", "ring_all_gather"]
+
+_Pending = tuple[list, Callable[[], None] | None]
+
+
+def _finish(pending: _Pending | None) -> None:
+    if pending is None:
+        return
+    works, then = pending
+    for w in works:
+        w.wait()
+    if then is not None:
+        then()
+
+
+def _by_piece(messages: list[Message]) -> dict[int, Message]:
+    return {m.piece: m for m in messages}
+
+
+def ring_reduce_scatter(
+    transport: P2PTransport,
+    steps: tuple[Step, ...],
+    layout: ChunkLayout,
+    x: torch.Tensor,
+    out: torch.Tensor | None,
+    sink: StatusSink,
+    *,
+    out_aliases_x: bool = False,
+) -> None:
+    """Sum chunk ``rank`` of every rank's ``x`` into ``out`` (or, with ``out=None``, into ``x`` in place).
+
+    Args:
+        x: flat contributions (the whole chunked tensor). Read only unless ``out`` is ``None``.
+        out: flat result of this rank's chunk (``layout.chunks[rank].numel`` elements), or ``None``
+            for an all-reduce, which accumulates every chunk it handles in ``x`` itself.
+        out_aliases_x: ``out`` is ``x``'s own chunk (in-place reduce-scatter).
+
+    With 16-bit data each hop adds in fp32 and rounds once (partial sums travel in the data type,
+    as in NCCL's ring).
+    """
+    rank, ch = transport.rank, layout.channels
+    if not steps:
+        return
+    in_place = out is None
+    dtype, size = x.dtype, x.element_size()
+    own = layout.chunks[rank]
+    sent = [_by_piece(step.sent_by(rank)) for step in steps]
+    received = [_by_piece(step.received_by(rank)) for step in steps]
+    last = len(steps) - 1
+
+    def lands_in_target(s: int, m: Message) -> bool:
+        # Dense data is received straight into the running sum, then the own contribution added.
+        return not m.sparse and not in_place and not (s == last and out_aliases_x)
+
+    send_slot, recv_slot, acc_slot = [0] * ch, [0] * ch, [0] * ch
+    for s in range(len(steps)):
+        for k, m in sent[s].items():
+            if m.sparse:
+                send_slot[k] = max(send_slot[k], m.nbytes)
+        for k, m in received[s].items():
+            if not lands_in_target(s, m):
+                recv_slot[k] = max(recv_slot[k], m.nbytes)
+            if not in_place and s < last:
+                acc_slot[k] = max(acc_slot[k], m.numel * size)
+    regions = carve(x.device, send_slot + recv_slot + recv_slot + acc_slot + acc_slot)
+    sbuf = regions[:ch]
+    rbuf = (regions[ch : 2 * ch], regions[2 * ch : 3 * ch])
+    acc = (
+        [r.view(dtype) for r in regions[3 * ch : 4 * ch]],
+        [r.view(dtype) for r in regions[4 * ch : 5 * ch]],
+    )
+
+    def target(s: int, m: Message) -> tuple[torch.Tensor, int]:
+        """Where the sum of piece ``m`` received at step ``s`` lives: (tensor, element offset)."""
+        if in_place:
+            return x, m.start
+        if s == last:
+            return out, m.start - own.start
+        return acc[s % 2][m.piece], 0
+
+    def source(s: int, m: Message) -> tuple[torch.Tensor, int]:
+        """What piece ``m`` sent at step ``s`` is read from: the input, or last step's sum."""
+        if s == 0 or in_place:
+            return x, m.start
+        return acc[(s - 1) % 2][m.piece], 0
+
+    def reducer(s: int, m: Message, buf: torch.Tensor) -> Callable[[], None]:
+        dst, off = target(s, m)
+        n = m.numel
+
+        def reduce() -> None:
+            if lands_in_target(s, m):
+                dst[off : off + n].add_(x[m.start : m.start + n])
+                return
+            if not in_place:
+                dst[off : off + n].copy_(x[m.start : m.start + n])
+            decode(m, buf, dst, off, accumulate=True, dtype=dtype, sink=sink)
+
+        return reduce
+
+    pending: list[_Pending | None] = [None] * ch
+    for s in range(len(steps)):
+        for k in range(ch):
+            # finish piece k of the previous step: its sum is what this step sends
+            _finish(pending[k])
+            pending[k] = None
+            sends, recvs, then = [], [], None
+            m = sent[s].get(k)
+            if m is not None:
+                src, off = source(s, m)
+                if m.sparse:
+                    encode(m, src, off, sbuf[k])
+                    sends.append((m.dst, sbuf[k][: m.nbytes]))
+                else:
+                    sends.append((m.dst, as_bytes(src[off : off + m.numel])))
+            m = received[s].get(k)
+            if m is not None:
+                if lands_in_target(s, m):
+                    dst, off = target(s, m)
+                    buf = as_bytes(dst[off : off + m.numel])
+                else:
+                    buf = rbuf[s % 2][k][: m.nbytes]
+                recvs.append((m.src, buf))
+                then = reducer(s, m, buf)
+            if sends or recvs:
+                pending[k] = (transport.send_recv(sends, recvs), then)
+    for k in range(ch):
+        _finish(pending[k])
+
+
+def ring_all_gather(
+    transport: P2PTransport,
+    steps: tuple[Step, ...],
+    layout: ChunkLayout,
+    out: torch.Tensor,
+    own: torch.Tensor,
+    own_base: int,
+    sink: StatusSink,
+) -> None:
+    """Fill every chunk of ``out`` from its owner; this rank's chunk comes from ``own``.
+
+    Args:
+        out: the flat chunked tensor. Its own chunk is not written here.
+        own: holds this rank's chunk; piece ``m`` is at ``own[m.start - own_base:]`` (the
+            all-gather input with ``own_base = chunk start``, or ``out`` itself with 0).
+
+    A payload is encoded once, by its owner, and forwarded unchanged; dense pieces are received
+    straight into ``out`` and forwarded from there.
+    """
+    rank, ch = transport.rank, layout.channels
+    if not steps:
+        return
+    dtype = out.dtype
+    sent = [_by_piece(step.sent_by(rank)) for step in steps]
+    received = [_by_piece(step.received_by(rank)) for step in steps]
+    send_slot, recv_slot = [0] * ch, [0] * ch
+    for k, m in sent[0].items():
+        if m.sparse:
+            send_slot[k] = m.nbytes
+    for step_received in received:
+        for k, m in step_received.items():
+            if m.sparse:
+                recv_slot[k] = max(recv_slot[k], m.nbytes)
+    regions = carve(out.device, send_slot + recv_slot + recv_slot)
+    sbuf = regions[:ch]
+    rbuf = (regions[ch : 2 * ch], regions[2 * ch :])
+    forward: list[torch.Tensor | None] = [None] * ch
+
+    def decoder(m: Message, buf: torch.Tensor) -> Callable[[], None]:
+        return lambda: decode(m, buf, out, m.start, accumulate=False, dtype=dtype, sink=sink)
+
+    pending: list[_Pending | None] = [None] * ch
+    for s in range(len(steps)):
+        for k in range(ch):
+            _finish(pending[k])
+            pending[k] = None
+            sends, recvs, then = [], [], None
+            m = sent[s].get(k)
+            if m is not None:
+                if s == 0:
+                    # step 0: this rank's own chunk, encoded once
+                    if m.sparse:
+                        encode(m, own, m.start - own_base, sbuf[k])
+                        payload = sbuf[k][: m.nbytes]
+                    else:
+                        payload = as_bytes(own[m.start - own_base : m.start - own_base + m.numel])
+                elif m.sparse:
+                    # later steps: forward what the left neighbour sent, as it came
+                    payload = forward[k]
+                else:
+                    payload = as_bytes(out[m.start : m.start + m.numel])
+                sends.append((m.dst, payload))
+            m = received[s].get(k)
+            forward[k] = None
+            if m is not None:
+                if m.sparse:
+                    buf = rbuf[s % 2][k][: m.nbytes]
+                    then = decoder(m, buf)
+                    forward[k] = buf
+                else:
+                    buf = as_bytes(out[m.start : m.start + m.numel])
+                recvs.append((m.src, buf))
+            if sends or recvs:
+                pending[k] = (transport.send_recv(sends, recvs), then)
+    for k in range(ch):
+        _finish(pending[k])

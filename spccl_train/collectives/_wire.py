@@ -1,0 +1,107 @@
+"""Turning a planned message into bytes and back, and the per-call scratch buffer.
+
+A message's bytes are: the raw elements (dense), a bare Pici payload, or a 16-byte header
+(int64 nnz, int64 n) followed by a COO payload. Encoders and decoders never synchronise with
+the device: nnz goes from the encoder into the header on the device, and from the header to the
+decoder as a device tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import Format, align16, compress_into, decompress_into
+from .plan import COO_HEADER_BYTES, Message
+
+__all__ = ["carve", "encode", "decode", "as_bytes", "StatusSink"]
+
+
+def carve(device: torch.device, sizes: list[int]) -> list[torch.Tensor]:
+    """One allocation cut into 16-byte aligned uint8 regions of the given sizes."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += align16(size)
+    buf = torch.empty(total, dtype=torch.uint8, device=device)
+    return [buf[o : o + s] for o, s in zip(offsets, sizes)]
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor."""
+    return t.view(-1).view(torch.uint8)
+
+
+def encode(m: Message, src: torch.Tensor, offset: int, slot: torch.Tensor) -> None:
+    """Write message ``m`` for ``src[offset : offset + m.numel]`` into ``slot`` (at least ``m.nbytes``)."""
+    if m.format is Format.DENSE:
+        slot[: m.dense_nbytes].view(src.dtype).copy_(src[offset : offset + m.numel])
+    elif m.format is Format.PICI:
+        compress_into(Format.PICI, src, slot[: m.nbytes], offset=offset, n=m.numel, check=False)
+    else:
+        nnz = compress_into(Format.COO, src, slot[COO_HEADER_BYTES : m.nbytes], offset=offset, n=m.numel, check=False)
+        header = slot[:COO_HEADER_BYTES].view(torch.int64)
+        header[0:1].copy_(nnz)
+        header[1:2].fill_(m.numel)
+
+
+def decode(
+    m: Message,
+    slot: torch.Tensor,
+    dst: torch.Tensor,
+    offset: int,
+    *,
+    accumulate: bool,
+    dtype: torch.dtype,
+    sink: StatusSink,
+) -> None:
+    """Decode message ``m`` from ``slot`` into ``dst[offset : offset + m.numel]``, overwriting or adding.
+
+    ``dtype`` is the element type on the wire; a float32 ``dst`` may accumulate 16-bit messages.
+    """
+    if m.format is Format.DENSE:
+        values = slot[: m.dense_nbytes].view(dtype)
+        target = dst[offset : offset + m.numel]
+        if accumulate:
+            target.add_(values)
+        else:
+            target.copy_(values)
+        return
+    if m.format is Format.PICI:
+        status = decompress_into(
+            Format.PICI,
+            slot[: m.nbytes],
+            dst,
+            offset=offset,
+            n=m.numel,
+            accumulate=accumulate,
+            dtype=dtype,
+            check=False,
+        )
+    else:
+        nnz = slot[:8].view(torch.int64)
+        status = decompress_into(
+            Format.COO,
+            slot[COO_HEADER_BYTES : m.nbytes],
+            dst,
+            offset=offset,
+            n=m.numel,
+            nnz=nnz,
+            accumulate=accumulate,
+            dtype=dtype,
+            check=False,
+        )
+    sink.add(status)
+
+
+class StatusSink:
+    """ORs the decoders' status words together on the device (0: every payload decoded cleanly)."""
+
+    __slots__ = ("status",)
+
+    def __init__(self, device: torch.device) -> None:
+        self.status = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def add(self, status: torch.Tensor | None) -> None:
+        """Fold in one decoder status (``None`` when the decoder checked it already)."""
+        if status is not None:
+            self.status.bitwise_or_(status.to(torch.int32))

@@ -1,0 +1,476 @@
+"""Exact sparse collectives with the signatures of ``torch.distributed``'s dense ones.
+
+Each call: check the arguments locally; one planning exchange of every rank's call and per-piece
+nonzero counts (the one host synchronisation; an all-reduce with a sparse format adds a second
+before its gather phase); pick the algorithm and format (``auto``: the cost model); compute the
+plan; run it. The result equals the dense sum up to the order of floating-point additions, and
+positions that are zero on every rank stay exactly zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..formats import MAX_ELEMENTS, SUPPORTED_DTYPES, Format
+from ..transport import P2PTransport
+from ._direct import direct_all_gather, direct_reduce_scatter
+from ._ring import ring_all_gather, ring_reduce_scatter
+from ._wire import StatusSink
+from .choice import choose
+from .chunking import ChunkLayout, count_nonzero_pieces
+from .config import CollectiveConfig
+from .cost import CostModel
+from .exchange import Problem, Request, check_table, config_code, exchange_counts, exchange_reduced_counts
+from .plan import Plan, plan_all_gather
+from .topology import Topology
+
+__all__ = [
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "CollectiveWork",
+    "CollectiveStats",
+    "last_stats",
+]
+
+_log = logging.getLogger(__name__)
+_local = threading.local()
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclasses.dataclass(slots=True)
+class CollectiveStats:
+    """What one call did: the plan it ran, what the cost model predicted, and what it sent."""
+
+    collective: str
+    """``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``."""
+    algorithm: str
+    """``"ring"``, ``"direct"``, ``"native"`` (the dense torch.distributed call) or ``"local"`` (world size 1)."""
+    format: Format
+    """The format the plan allowed (``DENSE`` for native and dense plans)."""
+    plan: Plan | None
+    """The plan that ran (``None`` for native and local calls)."""
+    predicted_s: float
+    """The cost model's prediction for the chosen candidate, exchanges included."""
+    candidates: dict[str, float]
+    """Every candidate the cost model weighed (``"ring/pici"``, ``"native/dense"``, ...) and its prediction."""
+    exchanges: int
+    """Planning exchanges (host synchronisations) the call made."""
+    bytes_sent: int
+    """Bytes this rank put on the wire."""
+    dense_bytes: int
+    """Bytes this rank would have sent with a dense ring."""
+    decode_status: torch.Tensor | None
+    """OR of every decoder status on this rank, on the device (0: all payloads were intact)."""
+    _timer: _Timer
+
+    @property
+    def elapsed_s(self) -> float:
+        """Measured seconds from the call to the end of its work (on CUDA this waits for the work)."""
+        return self._timer.seconds()
+
+
+class _Timer:
+    __slots__ = ("_cuda", "_start", "_end")
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+        self._end = None
+
+    def stop(self) -> torch.cuda.Event | None:
+        if self._cuda:
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._end.record()
+            return self._end
+        self._end = time.perf_counter()
+        return None
+
+    def seconds(self) -> float:
+        if self._end is None:
+            raise RuntimeError("the collective has not finished being issued")
+        if self._cuda:
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end) / 1e3
+        return self._end - self._start
+
+
+class CollectiveWork:
+    """The handle an ``async_op=True`` call returns, like ``torch.distributed.Work``.
+
+    On CPU the work is complete when the call returns. On CUDA every kernel and transfer is
+    enqueued when the call returns (after the planning synchronisation): :meth:`wait` makes the
+    current stream wait for them without blocking the host, and the future follows torch's
+    CUDA-aware future semantics.
+    """
+
+    __slots__ = ("_tensors", "_stats", "_event", "_future")
+
+    def __init__(self, tensors: list[torch.Tensor], stats: CollectiveStats, event: torch.cuda.Event | None) -> None:
+        self._tensors = tensors
+        self._stats = stats
+        self._event = event
+        devices = [t.device for t in tensors if t.device.type == "cuda"]
+        self._future: torch.futures.Future = torch.futures.Future(devices=devices or None)
+        self._future.set_result(tensors)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Order the current stream after the collective (on CPU it is done already); return True."""
+        if self._event is not None:
+            torch.cuda.current_stream(self._tensors[0].device).wait_event(self._event)
+        return True
+
+    def is_completed(self) -> bool:
+        """True once the device finished the work."""
+        return True if self._event is None else self._event.query()
+
+    def get_future(self) -> torch.futures.Future:
+        """A future whose value is ``[output tensor]``, complete when the collective is."""
+        return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        """The output tensor, in a list (as ``torch.distributed.Work.result``)."""
+        return self._tensors
+
+    @property
+    def stats(self) -> CollectiveStats:
+        """What the call did (plan, prediction, bytes)."""
+        return self._stats
+
+
+def last_stats() -> CollectiveStats | None:
+    """The :class:`CollectiveStats` of this thread's most recent call (``None`` before the first)."""
+    return getattr(_local, "stats", None)
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    config: CollectiveConfig | None = None,
+) -> CollectiveWork | None:
+    """Gather every rank's ``input`` into ``output`` (rank ``q``'s at ``q * input.numel()``), sparsely.
+
+    Args:
+        output: contiguous, ``world_size * input.numel()`` elements of ``input``'s dtype, any shape
+            (viewed flat). ``input`` may be this rank's slice of it (in place).
+        input: contiguous float32 / bfloat16 / float16 tensor, any shape; never modified.
+        group: the process group (default: the world).
+        async_op: return a :class:`CollectiveWork` instead of ``None``.
+        config: format, algorithm, thresholds, topology, channels; equal on every rank.
+
+    Returns:
+        A :class:`CollectiveWork` when ``async_op``, else ``None``.
+
+    Example::
+
+        >>> out = torch.empty(world * g.numel(), device=g.device)
+        >>> spccl_train.all_gather_into_tensor(out, g, config=CollectiveConfig(format="pici"))
+    """
+    return _call("all_gather", output, input, group, async_op, config)
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    config: CollectiveConfig | None = None,
+    *,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> CollectiveWork | None:
+    """Sum ``input`` over ranks and leave slice ``rank`` of the sum in ``output``, sparsely.
+
+    Args:
+        output: contiguous, ``input.numel() / world_size`` elements of ``input``'s dtype. It may be
+            this rank's slice of ``input`` (in place).
+        input: contiguous float32 / bfloat16 / float16 tensor; never modified (unless ``output``
+            is its slice).
+        group, async_op, config: as for :func:`all_gather_into_tensor`.
+        op: only ``ReduceOp.SUM``.
+
+    Example::
+
+        >>> shard = torch.empty(g.numel() // world, device=g.device)
+        >>> spccl_train.reduce_scatter_tensor(shard, g)
+    """
+    _check_op(op, "reduce_scatter_tensor")
+    return _call("reduce_scatter", output, input, group, async_op, config)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    config: CollectiveConfig | None = None,
+    *,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> CollectiveWork | None:
+    """Sum ``tensor`` over ranks, in place, sparsely.
+
+    Args:
+        tensor: contiguous float32 / bfloat16 / float16 tensor, any shape; holds the sum after.
+        group, async_op, config: as for :func:`all_gather_into_tensor`.
+        op: only ``ReduceOp.SUM``.
+
+    Example::
+
+        >>> spccl_train.all_reduce(grad, config=CollectiveConfig(format="pici", ranks_per_node=4))
+    """
+    _check_op(op, "all_reduce")
+    return _call("all_reduce", tensor, tensor, group, async_op, config)
+
+
+def _check_op(op: object, api: str) -> None:
+    if op != dist.ReduceOp.SUM:
+        raise ValueError(
+            f"spccl_train.{api} supports op=ReduceOp.SUM only, got {op!r}; use torch.distributed for others"
+        )
+
+
+def _call(
+    collective: str,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    async_op: bool,
+    config: CollectiveConfig | None,
+) -> CollectiveWork | None:
+    for name, t in (("output", output), ("input", input)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if config is None:
+        config = CollectiveConfig()
+    elif not isinstance(config, CollectiveConfig):
+        raise TypeError(f"config must be a CollectiveConfig or None, got {type(config).__name__}")
+    config.validate()
+    transport = P2PTransport(group)
+    with torch.no_grad():
+        stats, event = _run(collective, transport, config, input, output)
+    _local.stats = stats
+    return CollectiveWork([output], stats, event) if async_op else None
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device or not a.numel() or not b.numel():
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    lo_a, lo_b = a.data_ptr(), b.data_ptr()
+    return lo_a < lo_b + b.numel() * b.element_size() and lo_b < lo_a + a.numel() * a.element_size()
+
+
+def _local_problems(
+    collective: str, inp: torch.Tensor, out: torch.Tensor, transport: P2PTransport
+) -> tuple[Problem, bool]:
+    """This rank's argument problems, and whether input and output alias in a supported in-place form."""
+    p, r = transport.world, transport.rank
+    problems = Problem.NONE
+    if not inp.is_contiguous():
+        problems |= Problem.INPUT_NOT_CONTIGUOUS
+    if out is not inp and not out.is_contiguous():
+        problems |= Problem.OUTPUT_NOT_CONTIGUOUS
+    if inp.dtype not in SUPPORTED_DTYPES:
+        problems |= Problem.UNSUPPORTED_DTYPE
+    if out.dtype != inp.dtype:
+        problems |= Problem.DTYPES_DIFFER
+    if out.device != inp.device:
+        problems |= Problem.DEVICES_DIFFER
+    if not transport.supports(inp.device):
+        problems |= Problem.DEVICE
+    aliased = False
+    wrong_size = (collective == "all_gather" and out.numel() != p * inp.numel()) or (
+        collective == "reduce_scatter" and inp.numel() != p * out.numel()
+    )
+    if wrong_size:
+        problems |= Problem.OUTPUT_SIZE
+    elif collective != "all_reduce" and not problems and _overlap(inp, out):
+        size = inp.element_size()
+        if collective == "all_gather":
+            aliased = inp.data_ptr() == out.data_ptr() + r * inp.numel() * size
+        else:
+            aliased = out.data_ptr() == inp.data_ptr() + r * out.numel() * size
+        if not aliased:
+            problems |= Problem.OVERLAP
+    return problems, aliased
+
+
+def _layout(collective: str, inp: torch.Tensor, out: torch.Tensor, p: int, channels: int) -> ChunkLayout:
+    if collective == "all_gather":
+        return ChunkLayout.equal(out.numel(), p, channels)
+    if collective == "reduce_scatter":
+        return ChunkLayout.equal(inp.numel(), p, channels)
+    return ChunkLayout.aligned(inp.numel(), p, channels)
+
+
+def _run(
+    collective: str, transport: P2PTransport, config: CollectiveConfig, inp: torch.Tensor, out: torch.Tensor
+) -> tuple[CollectiveStats, torch.cuda.Event | None]:
+    p, r = transport.world, transport.rank
+    timer = _Timer(inp.device)
+    problems, aliased = _local_problems(collective, inp, out, transport)
+    layout = None
+    if not problems:
+        layout = _layout(collective, inp, out, p, config.channels)
+        if max((piece.numel for chunk in layout.pieces for piece in chunk), default=0) > MAX_ELEMENTS:
+            problems |= Problem.TOO_LARGE
+    request = Request(
+        collective=collective,
+        numel=inp.numel(),
+        out_numel=out.numel(),
+        dtype=inp.dtype,
+        out_dtype=out.dtype,
+        device=inp.device,
+        config=config_code(config.fingerprint()),
+        problems=problems,
+        channels=config.channels,
+    )
+    if p == 1:
+        check_table([request.header()], collective, 1, transport.backend)
+        if collective != "all_reduce" and not aliased:
+            out.view(-1).copy_(inp.view(-1))
+        stats = CollectiveStats(
+            collective=collective,
+            algorithm="local",
+            format=Format.DENSE,
+            plan=None,
+            predicted_s=0.0,
+            candidates={},
+            exchanges=0,
+            bytes_sent=0,
+            dense_bytes=0,
+            decode_status=None,
+            _timer=timer,
+        )
+        return stats, timer.stop()
+
+    x = inp.view(-1) if not problems else inp
+    counts = None
+    if not problems:
+        if collective == "all_gather":
+            counts = count_nonzero_pieces(x, layout, [r], base=layout.chunks[r].start)
+        else:
+            counts = count_nonzero_pieces(x, layout)
+    table, xdev = exchange_counts(transport, request, counts, p * config.channels)
+    # From here on every rank holds the same valid table and computes the same decisions.
+    topology = Topology(p, config.ranks_per_node)
+    model = config.cost_model or CostModel.default(inp.device)
+    choice, weighed = choose(collective, config, table, layout, inp.dtype, topology, model)
+    sink = StatusSink(inp.device)
+    y = out.view(-1)
+    exchanges = 1
+    plan = choice.plan
+    if choice.algorithm == "native":
+        _native(collective, transport, x, y)
+        chunk_bytes = layout.numel // p * inp.element_size()
+        dense = (p - 1) * chunk_bytes * (2 if collective == "all_reduce" else 1)
+        sent = dense
+    else:
+        th = config.thresholds.resolve(choice.format)
+        own = layout.chunks[r]
+        if collective == "all_gather":
+            if not aliased:
+                y[own.start : own.stop].copy_(x)
+            _gather_phase(choice.algorithm, transport, plan, layout, y, x, own.start, sink)
+        elif collective == "reduce_scatter":
+            _scatter_phase(choice.algorithm, transport, plan, layout, x, y, sink, aliased)
+        else:
+            _scatter_phase(choice.algorithm, transport, plan, layout, x, None, sink, False)
+            measured = choice.format is not Format.DENSE
+            if not measured:  # every message is dense: no counts needed, so no second exchange
+                reduced = [[piece.numel for piece in chunk] for chunk in layout.pieces]
+            else:
+                reduced = exchange_reduced_counts(transport, count_nonzero_pieces(x, layout, [r], base=0), xdev)
+                exchanges += 1
+            gather = plan_all_gather(
+                reduced,
+                layout,
+                inp.dtype,
+                fmt=choice.format,
+                algorithm=choice.algorithm,
+                threshold=th.ag,
+                topology=topology,
+                collective="all_reduce",
+                measured=measured,
+            )
+            _gather_phase(choice.algorithm, transport, gather, layout, x, x, 0, sink)
+            plan = plan.then(gather)
+        sent, dense = plan.bytes_sent(r), plan.dense_bytes(r)
+    event = timer.stop()
+    stats = CollectiveStats(
+        collective=collective,
+        algorithm=choice.algorithm,
+        format=choice.format,
+        plan=plan,
+        predicted_s=choice.predicted_s,
+        candidates=weighed,
+        exchanges=exchanges,
+        bytes_sent=sent,
+        dense_bytes=dense,
+        decode_status=sink.status,
+        _timer=timer,
+    )
+    if r == 0 and _log.isEnabledFor(logging.DEBUG):
+        _log.debug(
+            "%s: chose %s/%s (predicted %.3g s; candidates %s)\n%s",
+            collective,
+            choice.algorithm,
+            choice.format.value,
+            choice.predicted_s,
+            weighed,
+            plan.describe() if plan else "native",
+        )
+    return stats, event
+
+
+def _native(collective: str, transport: P2PTransport, x: torch.Tensor, y: torch.Tensor) -> None:
+    if collective == "all_gather":
+        _all_gather_flat(y, x, group=transport.group)
+    elif collective == "reduce_scatter":
+        _reduce_scatter_flat(y, x, group=transport.group)
+    else:
+        dist.all_reduce(x, group=transport.group)
+
+
+def _scatter_phase(
+    algorithm: str,
+    transport: P2PTransport,
+    plan: Plan,
+    layout: ChunkLayout,
+    x: torch.Tensor,
+    out: torch.Tensor | None,
+    sink: StatusSink,
+    aliased: bool,
+) -> None:
+    if algorithm == "ring":
+        ring_reduce_scatter(transport, plan.steps, layout, x, out, sink, out_aliases_x=aliased)
+    elif plan.steps:
+        direct_reduce_scatter(transport, plan.steps[0], layout, x, out, sink)
+
+
+def _gather_phase(
+    algorithm: str,
+    transport: P2PTransport,
+    plan: Plan,
+    layout: ChunkLayout,
+    out: torch.Tensor,
+    own: torch.Tensor,
+    own_base: int,
+    sink: StatusSink,
+) -> None:
+    if algorithm == "ring":
+        ring_all_gather(transport, plan.steps, layout, out, own, own_base, sink)
+    elif plan.steps:
+        direct_all_gather(transport, plan.steps[0], layout, out, own, own_base, sink)

@@ -1,0 +1,171 @@
+"""How a flat tensor is cut into one chunk per rank, and each chunk into pieces (channels).
+
+Two layouts, both documented here and nowhere else:
+
+* **equal** (:meth:`ChunkLayout.equal`), for ``reduce_scatter_tensor`` and
+  ``all_gather_into_tensor``: torch's semantics fix the cut. A tensor of ``world * m`` elements
+  has chunk ``c = [c*m, (c+1)*m)``, the slice rank ``c`` owns (its output for reduce-scatter,
+  its input for all-gather). ``m`` may be any length, so chunk starts need not be tile aligned.
+
+* **aligned** (:meth:`ChunkLayout.aligned`), for ``all_reduce``, where the cut is ours: the
+  tensor is split into ``units`` of ``TILE`` = 4096 elements (one Pici tile; the last unit may
+  be partial) and chunk ``c`` takes ``units // world`` consecutive units, the first
+  ``units % world`` chunks one more. So every chunk starts on a tile boundary and every Pici
+  tile of the tensor lies whole in one chunk; chunk sizes differ by at most one tile, the chunk
+  holding the tensor's end is shorter, and the chunks after it are empty. A tensor smaller than
+  ``world`` tiles is cut in units of 16 elements instead (so every chunk is 16-element aligned:
+  32-byte aligned for all supported dtypes) rather than leaving most ranks without data.
+
+Pieces: each chunk is cut the same way into ``channels`` pieces (units of one tile when the
+chunk holds at least ``channels`` tiles, else 16 elements), counted from the chunk's start. A
+piece is the unit of every message and of every nonzero count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+from ..formats import SUPPORTED_DTYPES, TILE, Format, compress_into, pici_metadata_bytes, uses_kernels
+
+__all__ = ["Span", "ChunkLayout", "split_span", "unit_for", "SMALL_UNIT", "count_nonzero_pieces"]
+
+SMALL_UNIT = 16
+"""Cut granularity (elements) for ranges too small to give every part a whole tile."""
+
+
+class Span(NamedTuple):
+    """Elements ``[start, start + numel)`` of a flat tensor."""
+
+    start: int
+    numel: int
+
+    @property
+    def stop(self) -> int:
+        """One past the last element."""
+        return self.start + self.numel
+
+
+def unit_for(numel: int, parts: int) -> int:
+    """Cut granularity for ``numel`` elements in ``parts``: a tile if each part gets one, else 16."""
+    return TILE if numel >= parts * TILE else SMALL_UNIT
+
+
+def split_span(span: Span, parts: int, unit: int | None = None) -> tuple[Span, ...]:
+    """Cut ``span`` into ``parts`` consecutive spans starting at multiples of ``unit`` from its start.
+
+    Units are dealt out as evenly as possible, the first parts taking one extra; the part that
+    reaches the end of ``span`` may be shorter, and parts after it are empty.
+    """
+    if parts < 1:
+        raise ValueError(f"parts={parts} must be at least 1")
+    unit = unit_for(span.numel, parts) if unit is None else unit
+    units = -(-span.numel // unit)
+    base, extra = divmod(units, parts)
+    out = []
+    first_unit = 0
+    for i in range(parts):
+        count = base + (1 if i < extra else 0)
+        lo = min(span.numel, first_unit * unit)
+        hi = min(span.numel, (first_unit + count) * unit)
+        out.append(Span(span.start + lo, hi - lo))
+        first_unit += count
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkLayout:
+    """The cut of a flat tensor of ``numel`` elements into ``world`` chunks of ``channels`` pieces."""
+
+    numel: int
+    """Elements of the chunked tensor (reduce-scatter: its input; all-gather: its output)."""
+    world: int
+    """Number of chunks: one per rank, chunk ``c`` owned by rank ``c``."""
+    channels: int
+    """Pieces per chunk."""
+    chunks: tuple[Span, ...]
+    """Chunk ``c``'s elements."""
+    pieces: tuple[tuple[Span, ...], ...]
+    """``pieces[c][k]``: piece ``k`` of chunk ``c`` (absolute positions)."""
+
+    @classmethod
+    def equal(cls, numel: int, world: int, channels: int = 1) -> ChunkLayout:
+        """torch's cut for reduce-scatter / all-gather: ``world`` chunks of ``numel / world``."""
+        if world < 1 or numel % world:
+            raise ValueError(f"numel={numel} is not a multiple of world={world}")
+        m = numel // world
+        return cls._build(numel, world, channels, tuple(Span(c * m, m) for c in range(world)))
+
+    @classmethod
+    def aligned(cls, numel: int, world: int, channels: int = 1) -> ChunkLayout:
+        """The all-reduce cut: tile-aligned chunks (see the module docstring)."""
+        return cls._build(numel, world, channels, split_span(Span(0, numel), world))
+
+    @classmethod
+    def _build(cls, numel: int, world: int, channels: int, chunks: tuple[Span, ...]) -> ChunkLayout:
+        pieces = tuple(split_span(chunk, channels) for chunk in chunks)
+        return cls(numel=numel, world=world, channels=channels, chunks=chunks, pieces=pieces)
+
+    def piece_numel(self, chunk: int, piece: int) -> int:
+        """Elements of piece ``piece`` of chunk ``chunk``."""
+        return self.pieces[chunk][piece].numel
+
+
+def count_nonzero_pieces(
+    flat: torch.Tensor, layout: ChunkLayout, chunks: range | list[int] | None = None, base: int = 0
+) -> torch.Tensor:
+    """Nonzero count of every piece of ``chunks``: an int64 tensor of ``len(chunks) * channels``, on ``flat``'s device.
+
+    ``flat`` holds the chunks' elements, chunk ``chunks[0]`` of the layout starting at element
+    ``layout.chunks[chunks[0]].start - base`` of ``flat`` (``base`` lets the input of an
+    all-gather, which is one chunk, be counted on its own). No host synchronisation.
+
+    With the CUDA kernels, each piece is counted by the Pici encoder writing into a buffer that
+    holds only the payload's metadata: it reports nnz without storing values (``compress_into``
+    with ``check=False`` never writes past its buffer), one read of the data at the encoder's
+    speed (2.2 TB/s on an H200, against 0.65 TB/s for ``torch.count_nonzero``). Otherwise runs
+    of equally long, equally spaced chunks are counted as one strided 2-D view per piece, so the
+    number of kernels is about ``channels`` times the number of distinct chunk lengths.
+    """
+    chunks = list(range(layout.world)) if chunks is None else list(chunks)
+    if uses_kernels(flat) and flat.dtype in SUPPORTED_DTYPES:
+        return _count_with_encoder(flat, layout, chunks, base)
+    ch = layout.channels
+    out = torch.zeros(len(chunks) * ch, dtype=torch.int64, device=flat.device)
+    i = 0
+    while i < len(chunks):
+        first = layout.chunks[chunks[i]]
+        j = i + 1
+        while (
+            j < len(chunks)
+            and chunks[j] == chunks[j - 1] + 1
+            and layout.chunks[chunks[j]].numel == first.numel
+            and layout.chunks[chunks[j]].start - layout.chunks[chunks[j - 1]].start == first.numel
+        ):
+            j += 1
+        if first.numel:
+            rows = j - i
+            view = flat.as_strided((rows, first.numel), (first.numel, 1), flat.storage_offset() + first.start - base)
+            for k, piece in enumerate(layout.pieces[chunks[i]]):
+                if piece.numel:
+                    lo = piece.start - first.start
+                    # summing the bool mask as bytes into int32 skips the int64 copy count_nonzero makes
+                    nonzero = (view[:, lo : lo + piece.numel] != 0).view(torch.uint8)
+                    out[i * ch + k : j * ch : ch] = nonzero.sum(dim=1, dtype=torch.int32)
+        i = j
+    return out
+
+
+def _count_with_encoder(flat: torch.Tensor, layout: ChunkLayout, chunks: list[int], base: int) -> torch.Tensor:
+    pieces = [piece for c in chunks for piece in layout.pieces[c]]
+    scratch = torch.empty(
+        max((pici_metadata_bytes(p.numel) for p in pieces), default=0), dtype=torch.uint8, device=flat.device
+    )
+    zero = torch.zeros(1, dtype=torch.int64, device=flat.device)
+    counts = [
+        compress_into(Format.PICI, flat, scratch, offset=p.start - base, n=p.numel, check=False) if p.numel else zero
+        for p in pieces
+    ]
+    return torch.cat(counts) if counts else zero[:0]

@@ -1,0 +1,170 @@
+"""What a caller can tune on a sparse collective: :class:`CollectiveConfig` and :class:`Thresholds`.
+
+Every rank must pass an equal config: the plan of a collective is computed independently on
+every rank from the exchanged nonzero counts and this config, so a config that differs between
+ranks is detected in the planning exchange and raises the same ``ValueError`` on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from ..formats import Format
+from .cost import CostModel
+
+__all__ = ["CollectiveConfig", "Thresholds", "ResolvedThresholds", "DEFAULT_THRESHOLDS", "MAX_CHANNELS"]
+
+MAX_CHANNELS = 64
+"""Most pieces a chunk may be cut into (the count exchange grows with ``world * channels``)."""
+
+_FORMATS = ("auto", "pici", "coo", "dense")
+_ALGORITHMS = ("auto", "ring", "direct")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResolvedThresholds:
+    """Thresholds with every value filled in for one format (what the planner uses)."""
+
+    intra: float
+    """Reduction steps over an intra-node hop travel dense when sparsity <= this."""
+    inter: float
+    """Reduction steps over an inter-node hop travel dense when sparsity <= this."""
+    ag: float
+    """All-gather messages (and the all-reduce gather phase) travel dense when sparsity <= this."""
+
+
+DEFAULT_THRESHOLDS: dict[Format, ResolvedThresholds] = {
+    Format.PICI: ResolvedThresholds(intra=0.6, inter=0.5, ag=0.1),
+    Format.COO: ResolvedThresholds(intra=0.8, inter=0.7, ag=0.5),
+}
+"""The SpCCL paper's tuned thresholds (fp32, Perlmutter A100s): Pici 0.6 / 0.5 / 0.1, COO 0.8 / 0.7 / 0.5."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Thresholds:
+    """Sparsity thresholds at or below which a message travels dense; ``None`` = the format's default.
+
+    A threshold is a sparsity (fraction of zeros, 0 to 1). The defaults are the paper's
+    (:data:`DEFAULT_THRESHOLDS`): Pici ``intra=0.6, inter=0.5, ag=0.1``, COO ``0.8, 0.7, 0.5``.
+    """
+
+    intra: float | None = None
+    """Link-aware threshold of reduction steps whose hop stays inside a node (NVLink)."""
+    inter: float | None = None
+    """Link-aware threshold of reduction steps whose hop crosses nodes (the network)."""
+    ag: float | None = None
+    """Phase-aware threshold of all-gather messages: all-gather, and all-reduce after its
+    reduce-scatter phase, where data no longer fills in, so sparse pays off at lower sparsity."""
+
+    def __post_init__(self) -> None:
+        for name in ("intra", "inter", "ag"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(
+                    f"thresholds.{name}={value!r} is not a sparsity in [0, 1]; a message travels dense when its "
+                    f"sparsity is at or below the threshold (None keeps the format's default)"
+                )
+
+    def resolve(self, fmt: Format | str) -> ResolvedThresholds:
+        """Fill the unset thresholds with ``fmt``'s defaults (dense uses Pici's, which it ignores)."""
+        fmt = Format(fmt)
+        base = DEFAULT_THRESHOLDS.get(fmt, DEFAULT_THRESHOLDS[Format.PICI])
+        return ResolvedThresholds(
+            intra=base.intra if self.intra is None else float(self.intra),
+            inter=base.inter if self.inter is None else float(self.inter),
+            ag=base.ag if self.ag is None else float(self.ag),
+        )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class CollectiveConfig:
+    """How a sparse collective runs. Pass an equal config on every rank.
+
+    Example::
+
+        >>> cfg = CollectiveConfig(format="pici", algorithm="ring", ranks_per_node=4)
+        >>> spccl_train.all_reduce(grad, config=cfg)
+    """
+
+    format: str = "auto"
+    """Wire format: ``"pici"`` (bitvector, ~3% overhead: good from ~50% sparsity up), ``"coo"``
+    (index + value: good above ~95%), ``"dense"`` (no compression), or ``"auto"`` (the cost
+    model picks Pici, COO or plain dense per call). With a sparse format each message still
+    travels dense when its sparsity is at or below the thresholds."""
+    algorithm: str = "auto"
+    """``"ring"`` (the paper: p-1 steps per phase, formats adapt per step to fill-in),
+    ``"direct"`` (reduce-scatter as one all-to-all of compressed chunks, all-gather as one
+    exchange of compressed chunks: no fill-in in transit), or ``"auto"`` (the cost model picks)."""
+    thresholds: Thresholds = dataclasses.field(default_factory=Thresholds)
+    """Sparsity thresholds (intra-node, inter-node, all-gather); unset ones take the chosen
+    format's defaults. A mapping with keys ``intra``, ``inter``, ``ag`` is accepted too."""
+    ranks_per_node: int | None = None
+    """Topology: ranks ``[k * ranks_per_node, (k + 1) * ranks_per_node)`` of the group share node
+    ``k`` (pass ``LOCAL_WORLD_SIZE`` under torchrun). ``None`` puts all ranks on one node. Tests
+    set it to simulate several nodes on one machine. It picks the intra- or inter-node threshold
+    per hop and the link terms of the cost model."""
+    channels: int = 1
+    """Pieces each chunk is cut into (1 to 64). Each piece is its own message, so on a GPU the
+    compression of piece k+1 overlaps the transfer of piece k; more pieces also make the
+    per-message format decisions finer. Must be equal on every rank: it sizes the count exchange."""
+    cost_model: CostModel | None = None
+    """Link and codec speeds for ``"auto"``; ``None`` uses :meth:`CostModel.default` for the
+    tensor's device (conservative figures, documented there)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.thresholds, Mapping):
+            unknown = set(self.thresholds) - {"intra", "inter", "ag"}
+            if unknown:
+                raise ValueError(f"thresholds has unknown keys {sorted(unknown)}; use 'intra', 'inter' and 'ag'")
+            self.thresholds = Thresholds(**self.thresholds)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad field and the fix (also run before every call)."""
+        if self.format not in _FORMATS:
+            raise ValueError(f"format={self.format!r} is not one of {', '.join(map(repr, _FORMATS))}; pick one of them")
+        if self.algorithm not in _ALGORITHMS:
+            raise ValueError(
+                f"algorithm={self.algorithm!r} is not one of {', '.join(map(repr, _ALGORITHMS))}; pick one of them"
+            )
+        if not isinstance(self.thresholds, Thresholds):
+            raise ValueError(
+                f"thresholds={self.thresholds!r} must be a Thresholds (or a mapping with keys intra, inter, ag)"
+            )
+        rpn = self.ranks_per_node
+        if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
+            raise ValueError(
+                f"ranks_per_node={rpn!r} must be a positive int (ranks per node, e.g. LOCAL_WORLD_SIZE) "
+                "or None for a single node"
+            )
+        ch = self.channels
+        if isinstance(ch, bool) or not isinstance(ch, int) or not 1 <= ch <= MAX_CHANNELS:
+            raise ValueError(f"channels={ch!r} must be an int from 1 to {MAX_CHANNELS}; 1 disables piece pipelining")
+        if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
+            raise ValueError(f"cost_model={self.cost_model!r} must be a CostModel or None for the defaults")
+
+    def fingerprint(self) -> str:
+        """A canonical text of every field, equal on two ranks iff their configs plan alike."""
+        th = self.thresholds
+        cost = "default" if self.cost_model is None else self.cost_model.fingerprint()
+        parts = [
+            self.format,
+            self.algorithm,
+            *(_canon(v) for v in (th.intra, th.inter, th.ag)),
+            _canon(self.ranks_per_node),
+            str(self.channels),
+            cost,
+        ]
+        return "|".join(parts)
+
+
+def _canon(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and math.isfinite(value):
+        return value.hex()
+    return repr(value)

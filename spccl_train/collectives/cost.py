@@ -1,0 +1,259 @@
+"""The cost model behind ``"auto"``: Hockney alpha-beta terms per hop kind plus codec throughputs.
+
+A plan's time is predicted step by step. In a ring step every rank encodes what it sends
+(reduce-scatter steps and the first gather step; forwarded gather payloads are not re-encoded),
+puts it on the link (``latency + bytes / bandwidth`` of the intra- or inter-node link) and decodes
+what it receives (accumulate in a reduction, overwrite in a gather); the step takes as long as
+its slowest rank, and steps add up. A direct step (one all-to-all or all-gather) costs each rank
+its encodes, then the larger of its outgoing and incoming wire time plus one latency per peer,
+then its decodes; the slowest rank sets the time. The dense baseline (the native
+``torch.distributed`` collective) is a ring at the slowest link's speed. Every prediction
+includes the count passes and planning exchanges (one; two for a sparse all-reduce); the dense
+baseline pays one too, since the call counts before it can choose.
+
+It is deliberately simple: pieces are assumed not to overlap (so it over-predicts sparse plans
+on GPUs, where compression overlaps transfers), and throughputs do not depend on sparsity. The
+defaults lean towards dense for that reason (see :meth:`CostModel.default`): ``auto`` should
+only leave dense when the predicted win is clear. Every field is configurable; pass a :class:`CostModel` with figures measured on
+your machine in ``CollectiveConfig.cost_model``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..formats import Format
+from ..formats.layout import element_size
+from .plan import Message, Phase, Plan, Route, Step
+from .topology import Topology
+
+__all__ = ["LinkCost", "CodecCost", "CostModel"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LinkCost:
+    """Hockney terms of one kind of link, as seen by one rank."""
+
+    latency_s: float
+    """Start-up time of one message (alpha), seconds."""
+    bandwidth: float
+    """Bytes per second one rank pushes in one direction (1 / beta)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "latency_s", allow_zero=True)
+        _positive(self, "bandwidth")
+
+    def seconds(self, nbytes: int) -> float:
+        """``alpha + n * beta``."""
+        return self.latency_s + nbytes / self.bandwidth
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CodecCost:
+    """Throughputs of one sparse format's codec, in dense-equivalent bytes per second."""
+
+    compress: float
+    """Dense bytes read per second when encoding."""
+    decompress: float
+    """Dense bytes written per second when decoding (overwrite)."""
+    accumulate: float
+    """Dense bytes per second when decoding into a sum (scatter-add)."""
+    call_s: float
+    """Fixed cost of one encode or decode call (kernel launch or host overhead), seconds."""
+
+    def __post_init__(self) -> None:
+        for name in ("compress", "decompress", "accumulate"):
+            _positive(self, name)
+        _positive(self, "call_s", allow_zero=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CostModel:
+    """Link and codec speeds; :meth:`default` gives conservative figures per device type."""
+
+    intra: LinkCost
+    """Links between ranks of one node."""
+    inter: LinkCost
+    """Links between nodes (per rank)."""
+    pici: CodecCost
+    """Pici codec."""
+    coo: CodecCost
+    """COO codec."""
+    reduce: float
+    """Dense element-wise sum, result bytes per second."""
+    copy: float
+    """Dense copy, bytes per second."""
+    count: float
+    """The nonzero-count pass before each planning exchange, dense bytes read per second."""
+    exchange_s: float
+    """One planning exchange: an all-gather of a few counts, a host synchronisation, and the
+    host's planning and launching around it."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "reduce")
+        _positive(self, "copy")
+        _positive(self, "count")
+        _positive(self, "exchange_s", allow_zero=True)
+
+    @classmethod
+    def default(cls, device: torch.device | str) -> CostModel:
+        """Conservative defaults for ``device``'s type.
+
+        Conservative for ``auto`` means never under-rating dense: links at their measured speed
+        (slower links would favour sending less), codecs at about half theirs, and planning
+        exchanges (which a sparse all-reduce pays twice) at about twice theirs.
+
+        CUDA (H200 measurements in ``GPU.md``, ``bench/results/`` and on 2 H200s): NVLink
+        350 GB/s and 20 us per message; network 25 GB/s and 20 us (one 200 Gb/s NIC per GPU);
+        Pici encode / decode / accumulate 1.0 / 1.2 / 0.8 TB/s (measured 2.1 / 2.5 / 1.6 TB/s on
+        64 MiB fp32), COO 0.8 / 0.6 / 0.6 TB/s; 15 us per codec call; dense sums 1 TB/s, copies
+        2 TB/s; the count pass 1 TB/s (measured 2.2 TB/s); 1 ms per planning exchange (the bare
+        all-gather and sync take about 70 us, but each exchange measured about 0.5 ms of host
+        time with the planning and launches around it).
+
+        CPU (gloo over TCP and the pure-torch reference codec): 1 GB/s and 100 us intra-node,
+        0.5 GB/s and 200 us inter-node; Pici 0.05 / 0.1 / 0.1 GB/s, COO 0.25 / 0.5 / 0.5 GB/s,
+        150 us per codec call; sums 5 GB/s, copies 10 GB/s, counts 2 GB/s; 1.5 ms per exchange.
+        """
+        if torch.device(device).type == "cuda":
+            return cls(
+                intra=LinkCost(latency_s=20e-6, bandwidth=350e9),
+                inter=LinkCost(latency_s=20e-6, bandwidth=25e9),
+                pici=CodecCost(compress=1.0e12, decompress=1.2e12, accumulate=0.8e12, call_s=15e-6),
+                coo=CodecCost(compress=0.8e12, decompress=0.6e12, accumulate=0.6e12, call_s=15e-6),
+                reduce=1.0e12,
+                copy=2.0e12,
+                count=1.0e12,
+                exchange_s=1e-3,
+            )
+        return cls(
+            intra=LinkCost(latency_s=100e-6, bandwidth=1e9),
+            inter=LinkCost(latency_s=200e-6, bandwidth=0.5e9),
+            pici=CodecCost(compress=0.05e9, decompress=0.1e9, accumulate=0.1e9, call_s=150e-6),
+            coo=CodecCost(compress=0.25e9, decompress=0.5e9, accumulate=0.5e9, call_s=150e-6),
+            reduce=5e9,
+            copy=10e9,
+            count=2e9,
+            exchange_s=1.5e-3,
+        )
+
+    def fingerprint(self) -> str:
+        """Canonical text of every figure (part of the config check across ranks)."""
+        return repr(dataclasses.astuple(self))
+
+    def codec(self, fmt: Format) -> CodecCost:
+        """The codec costs of a sparse format."""
+        return self.pici if fmt is Format.PICI or fmt == "pici" else self.coo
+
+    def link(self, inter_node: bool) -> LinkCost:
+        """The link kind of a hop."""
+        return self.inter if inter_node else self.intra
+
+    def planning(self, collective: str, numel: int, dtype: torch.dtype, world: int, exchanges: int = 1) -> float:
+        """Seconds of the count passes and exchanges before data moves.
+
+        The first pass counts what this rank holds (the all-gather input: ``numel / world``
+        elements; else all ``numel``); an all-reduce's second counts its reduced chunk.
+        """
+        if exchanges <= 0:
+            return 0.0
+        size = element_size(dtype)
+        held = numel // world if collective == "all_gather" else numel
+        counted = held + (exchanges - 1) * (numel // world)
+        return exchanges * self.exchange_s + counted * size / self.count
+
+    def predict(self, plan: Plan, exchanges: int = 1) -> float:
+        """Predicted seconds for ``plan``, including ``exchanges`` planning exchanges and count passes."""
+        total = self.planning(plan.collective, plan.layout.numel, plan.dtype, plan.world, exchanges)
+        for step in plan.steps:
+            if plan.algorithm == "ring":
+                total += self._ring_step(plan, step)
+            else:
+                total += self._direct_step(plan, step)
+        return total
+
+    def predict_native(
+        self, collective: str, numel: int, dtype: torch.dtype, topology: Topology, exchanges: int = 1
+    ) -> float:
+        """Predicted seconds of the dense ``torch.distributed`` collective (a ring at the slowest link).
+
+        ``numel`` is the chunked tensor's size: the all-gather output, the reduce-scatter input,
+        the all-reduce tensor.
+        """
+        p = topology.world
+        total = self.planning(collective, numel, dtype, p, exchanges)
+        if p == 1:
+            return total
+        chunk = numel * element_size(dtype) / p
+        hop = self.link(topology.ring_crosses_nodes).seconds(int(chunk))
+        gather = (p - 1) * hop
+        scatter = (p - 1) * (hop + chunk / self.reduce)
+        if collective == "all_gather":
+            return total + gather
+        if collective == "reduce_scatter":
+            return total + scatter
+        return total + scatter + gather
+
+    def _encode(self, m: Message) -> float:
+        if not m.sparse:
+            return 0.0
+        codec = self.codec(m.format)
+        return codec.call_s + m.dense_nbytes / codec.compress
+
+    def _decode(self, m: Message, phase: Phase, copied: bool) -> float:
+        if m.sparse:
+            codec = self.codec(m.format)
+            rate = codec.accumulate if phase is Phase.REDUCE_SCATTER else codec.decompress
+            return codec.call_s + m.dense_nbytes / rate
+        if phase is Phase.REDUCE_SCATTER:
+            return m.dense_nbytes / self.reduce
+        return m.dense_nbytes / self.copy if copied else 0.0
+
+    def _ring_step(self, plan: Plan, step: Step) -> float:
+        busy = [0.0] * plan.world
+        encodes = step.phase is Phase.REDUCE_SCATTER or step.index == 0
+        for m in step.messages:
+            busy[m.src] += self.link(m.inter_node).seconds(m.nbytes) + (self._encode(m) if encodes else 0.0)
+            busy[m.dst] += self._decode(m, step.phase, copied=False)
+        return max(busy, default=0.0)
+
+    def _direct_step(self, plan: Plan, step: Step) -> float:
+        p = plan.world
+        encode, decode = [0.0] * p, [0.0] * p
+        out_wire, in_wire = [0.0] * p, [0.0] * p
+        peers: set[tuple[int, int]] = set()
+        encoded: set[tuple[int, int, int]] = set()
+        for m in step.messages:
+            key = (m.src, m.chunk, m.piece)
+            if key not in encoded:  # a gathered payload is encoded once for all its receivers
+                encoded.add(key)
+                encode[m.src] += self._encode(m) if m.sparse else m.dense_nbytes / self.copy
+            decode[m.dst] += self._decode(m, step.phase, copied=True)
+            if step.route is not Route.ALL_GATHER:
+                wire = m.nbytes / self.link(m.inter_node).bandwidth
+                out_wire[m.src] += wire
+                in_wire[m.dst] += wire
+            peers.add((m.src, m.dst))
+        if step.route is Route.ALL_GATHER:
+            for src in range(p):
+                for dst in range(p):
+                    if src != dst:
+                        wire = step.slot_bytes / self.link(plan.topology.is_inter(src, dst)).bandwidth
+                        out_wire[src] += wire
+                        in_wire[dst] += wire
+                        peers.add((src, dst))
+        latency = [0.0] * p
+        for src, dst in peers:
+            latency[src] += self.link(plan.topology.is_inter(src, dst)).latency_s
+        return max(encode[r] + max(out_wire[r], in_wire[r]) + latency[r] + decode[r] for r in range(p))
+
+
+def _positive(obj: object, name: str, allow_zero: bool = False) -> None:
+    value = getattr(obj, name)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not (value >= 0 if allow_zero else value > 0):
+        need = "a finite number >= 0" if allow_zero else "a finite number > 0"
+        raise ValueError(f"{type(obj).__name__}.{name}={value!r} must be {need}")

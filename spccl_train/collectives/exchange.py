@@ -1,0 +1,274 @@
+"""The planning exchange: one all-gather, per collective, of each rank's call and nonzero counts.
+
+Every rank contributes one int64 row: a header describing its call (which collective, numel,
+dtypes, device, a fingerprint of its config, and any local argument problems), then the nonzero
+count of every piece it holds (``world * channels`` slots, so the row length is equal on every
+rank whatever the tensors are). One ``all_gather`` and one ``.tolist()`` later every rank holds
+the same table, checks it with the same code, and so either plans the same collective or raises
+the same ``ValueError``: a bad argument on one rank never leaves the others hanging.
+
+An all-reduce exchanges a second, shorter row (the counts of its reduced chunk) before its
+gather phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import zlib
+
+import torch
+
+from ..formats import MAX_ELEMENTS, SUPPORTED_DTYPES
+from ..transport import P2PTransport
+
+__all__ = [
+    "Problem",
+    "Request",
+    "COLLECTIVES",
+    "API_NAMES",
+    "HEADER_FIELDS",
+    "dtype_code",
+    "config_code",
+    "exchange_counts",
+    "exchange_reduced_counts",
+    "check_table",
+]
+
+_MAGIC = 0x5350_434C_0001  # "SPCL", protocol 1
+_MAGIC_REDUCED = 0x5350_434C_0101
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+"""Collective names, in the order of their header codes (1, 2, 3)."""
+API_NAMES = {
+    "all_gather": "all_gather_into_tensor",
+    "reduce_scatter": "reduce_scatter_tensor",
+    "all_reduce": "all_reduce",
+}
+"""The public function of each collective (used in error messages)."""
+
+HEADER_FIELDS = (
+    "magic",
+    "collective",
+    "numel",
+    "out_numel",
+    "dtype",
+    "out_dtype",
+    "device",
+    "config",
+    "problems",
+    "channels",
+)
+"""The header of a row, in order; the counts follow."""
+
+_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+class Problem(enum.IntFlag):
+    """Argument problems a rank finds in its own tensors (sent in the header, reported by all)."""
+
+    NONE = 0
+    INPUT_NOT_CONTIGUOUS = 1
+    OUTPUT_NOT_CONTIGUOUS = 2
+    UNSUPPORTED_DTYPE = 4
+    DTYPES_DIFFER = 8
+    OUTPUT_SIZE = 16
+    DEVICE = 32
+    DEVICES_DIFFER = 64
+    TOO_LARGE = 128
+    OVERLAP = 256
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Request:
+    """One rank's call, as its header describes it."""
+
+    collective: str
+    """One of :data:`COLLECTIVES`."""
+    numel: int
+    """Input elements (the tensor's, for all-reduce)."""
+    out_numel: int
+    """Output elements (equal to ``numel`` for all-reduce)."""
+    dtype: torch.dtype
+    """Input dtype."""
+    out_dtype: torch.dtype
+    """Output dtype."""
+    device: torch.device
+    """The tensors' device."""
+    config: int
+    """:func:`config_code` of the rank's config."""
+    problems: Problem
+    """Local argument problems."""
+    channels: int
+    """Pieces per chunk."""
+
+    def header(self) -> list[int]:
+        """The header fields, in :data:`HEADER_FIELDS` order."""
+        return [
+            _MAGIC,
+            COLLECTIVES.index(self.collective) + 1,
+            self.numel,
+            self.out_numel,
+            dtype_code(self.dtype),
+            dtype_code(self.out_dtype),
+            _DEVICE_TYPES.index(self.device.type) + 1 if self.device.type in _DEVICE_TYPES else 0,
+            self.config,
+            int(self.problems),
+            self.channels,
+        ]
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A small int naming ``dtype`` on the wire (0: one we have no name for)."""
+    return _DTYPES.index(dtype) + 1 if dtype in _DTYPES else 0
+
+
+def _dtype_name(code: int) -> str:
+    return str(_DTYPES[code - 1]) if 1 <= code <= len(_DTYPES) else "an unrecognised dtype"
+
+
+def config_code(fingerprint: str) -> int:
+    """A 32-bit checksum of a config fingerprint (equal configs, equal codes)."""
+    return zlib.crc32(fingerprint.encode())
+
+
+def exchange_counts(
+    transport: P2PTransport, request: Request, counts: torch.Tensor | None, width: int
+) -> tuple[list[list[int]], torch.device]:
+    """All-gather every rank's header and ``width`` counts; check them; return the counts table.
+
+    Args:
+        transport: the group's transport.
+        request: this rank's call.
+        counts: this rank's per-piece nonzero counts (int64, at most ``width``, on any device), or
+            ``None`` when it has problems and counted nothing.
+        width: count slots per row (``world * channels``).
+
+    Returns:
+        ``(table, device)``: ``table[q]`` is rank ``q``'s ``width`` counts; ``device`` is where the
+        exchange ran.
+
+    Raises:
+        ValueError: the same message on every rank, when any rank's call is invalid or the calls
+            disagree.
+    """
+    device = transport.exchange_device(request.device)
+    header = torch.tensor(request.header(), dtype=torch.int64)
+    row = torch.zeros(len(HEADER_FIELDS) + width, dtype=torch.int64, device=device)
+    row[: len(HEADER_FIELDS)].copy_(header, non_blocking=True)
+    if counts is not None and counts.numel():
+        row[len(HEADER_FIELDS) : len(HEADER_FIELDS) + counts.numel()].copy_(counts, non_blocking=True)
+    table = transport.all_gather_rows(row).tolist()  # the collective's one host synchronisation
+    check_table(table, request.collective, transport.world, transport.backend)
+    return [r[len(HEADER_FIELDS) :] for r in table], device
+
+
+def exchange_reduced_counts(transport: P2PTransport, counts: torch.Tensor, device: torch.device) -> list[list[int]]:
+    """All-gather each rank's reduced-chunk piece counts (an all-reduce's second exchange)."""
+    row = torch.empty(1 + counts.numel(), dtype=torch.int64, device=device)
+    row[0] = _MAGIC_REDUCED
+    row[1:].copy_(counts, non_blocking=True)
+    table = transport.all_gather_rows(row).tolist()
+    bad = [q for q, r in enumerate(table) if r[0] != _MAGIC_REDUCED]
+    if bad:
+        raise RuntimeError(
+            f"ranks {bad} sent something else in the all-reduce's second count exchange: collectives on this "
+            "group were issued in different orders on different ranks"
+        )
+    return [r[1:] for r in table]
+
+
+def check_table(table: list[list[int]], collective: str, world: int, backend: str = "?") -> None:
+    """Raise one ``ValueError`` (the same text on every rank) if the gathered calls are not one valid call."""
+    api = f"spccl_train.{API_NAMES[collective]}"
+    f = {name: i for i, name in enumerate(HEADER_FIELDS)}
+    stray = [q for q, r in enumerate(table) if r[f["magic"]] != _MAGIC]
+    if stray:
+        raise ValueError(
+            f"{api}: ranks {stray} are not in a spccl_train collective (or run another version of it); every rank "
+            "of the group must make the same collective call in the same order"
+        )
+    called = [r[f["collective"]] for r in table]
+    if len(set(called)) > 1:
+        names = ", ".join(f"rank {q}: {API_NAMES[COLLECTIVES[c - 1]]}" for q, c in enumerate(called))
+        raise ValueError(f"spccl_train: ranks called different collectives ({names}); call the same one on every rank")
+    problems = []
+    for q, r in enumerate(table):
+        flags = Problem(r[f["problems"]])
+        if flags:
+            text = "; ".join(
+                _describe(flag, r, f, collective, world, backend) for flag in Problem if flag and flag in flags
+            )
+            problems.append(f"rank {q}: {text}")
+    if problems:
+        raise ValueError(f"{api}: invalid arguments on {len(problems)} of {world} ranks. " + " | ".join(problems))
+    for field, what in (("numel", "input numel"), ("dtype", "dtype"), ("out_numel", "output numel")):
+        values = [r[f[field]] for r in table]
+        if len(set(values)) > 1:
+            shown = [_dtype_name(v) for v in values] if field == "dtype" else values
+            listing = ", ".join(f"rank {q}: {v}" for q, v in enumerate(shown))
+            raise ValueError(
+                f"{api}: ranks disagree on the {what} ({listing}); every rank must pass tensors of the same numel "
+                "and dtype"
+            )
+    configs = [r[f["config"]] for r in table]
+    if len(set(configs)) > 1 or len({r[f["channels"]] for r in table}) > 1:
+        groups: dict[int, list[int]] = {}
+        for q, c in enumerate(configs):
+            groups.setdefault(c, []).append(q)
+        listing = "; ".join(f"ranks {ranks}" for ranks in groups.values())
+        raise ValueError(
+            f"{api}: ranks passed different CollectiveConfigs (alike within: {listing}); every rank plans the "
+            "collective on its own, so pass an equal config (format, algorithm, thresholds, ranks_per_node, "
+            "channels, cost_model) everywhere"
+        )
+
+
+def _describe(flag: Problem, row: list[int], f: dict[str, int], collective: str, world: int, backend: str) -> str:
+    numel, out_numel = row[f["numel"]], row[f["out_numel"]]
+    dtype, out_dtype = _dtype_name(row[f["dtype"]]), _dtype_name(row[f["out_dtype"]])
+    device_code = row[f["device"]]
+    device = _DEVICE_TYPES[device_code - 1] if 1 <= device_code <= len(_DEVICE_TYPES) else "another device"
+    names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+    if flag is Problem.INPUT_NOT_CONTIGUOUS:
+        return "the input is not contiguous; pass input.contiguous()"
+    if flag is Problem.OUTPUT_NOT_CONTIGUOUS:
+        return "the output is not contiguous; pass a contiguous output (e.g. torch.empty(...))"
+    if flag is Problem.UNSUPPORTED_DTYPE:
+        return f"dtype {dtype} is not supported; the collectives carry {names}, so cast first"
+    if flag is Problem.DTYPES_DIFFER:
+        return f"the output dtype {out_dtype} differs from the input dtype {dtype}; allocate the output with the input's dtype"
+    if flag is Problem.OUTPUT_SIZE:
+        if collective == "all_gather":
+            return (
+                f"the output has {out_numel} elements but needs world_size * input.numel() = {world} * {numel} = "
+                f"{world * numel}"
+            )
+        return (
+            f"the input has {numel} elements but needs world_size * output.numel() = {world} * {out_numel} = "
+            f"{world * out_numel}"
+        )
+    if flag is Problem.DEVICE:
+        return f"the tensors are on {device}, which the group's backend ({backend}) does not move; use a group whose backend serves that device"
+    if flag is Problem.DEVICES_DIFFER:
+        return "the input and output are on different devices; put both on one device"
+    if flag is Problem.TOO_LARGE:
+        return f"a piece of a chunk would exceed {MAX_ELEMENTS} elements (the formats' limit); raise channels"
+    return (
+        "the output overlaps the input; only the in-place forms are supported (all-gather: input is the rank's "
+        "slice of the output; reduce-scatter: output is the rank's slice of the input)"
+    )

@@ -1,0 +1,526 @@
+"""Plans: the format and exact byte count of every message of a collective, computed from counts.
+
+A collective exchanges the nonzero count of every piece of every chunk on every rank once (see
+:mod:`.exchange`); from those counts each rank computes the same :class:`Plan` with the pure
+functions below, so message sizes never travel and no step waits on the host.
+
+Format of a message (:func:`choose_format`): dense when the sparsity estimate is at or below the
+threshold, or when the sparse payload would not be smaller than dense; else the configured
+sparse format. Sparsity estimates:
+
+* a chunk piece as some rank holds it is **measured** (its count is exact);
+* in a ring reduce-scatter the piece sent at step ``s`` is the sum of ``s + 1`` ranks'
+  contributions; its sparsity is **extrapolated** as ``sigma_s = sigma_{s-1} * sigma_new``
+  where ``sigma_new`` is the measured sparsity of the contribution added at that step (the
+  paper's ``sigma_next = sigma_prev * sigma_0``, with each rank's own step-0 sparsity
+  ``sigma_0``: nonzero positions independent across ranks). The payload is sized for the
+  **bound** ``min(n, sum of the contributors' counts)``, which no sum can exceed (a position
+  that is zero on every contributor is zero in the sum), and padded to it.
+* the all-reduce gather phase is planned after a second count exchange of the reduced chunks,
+  so its formats follow measured sparsity (the paper extrapolates there; measuring is exact).
+
+Thresholds: link-aware in reduction steps (``intra`` or ``inter`` by whether the hop crosses a
+node boundary), phase-aware in gather steps (``ag``).
+
+Framing: a Pici payload records its nnz (the last index entry), so it travels bare. A COO
+payload does not, so every COO message is a 16-byte header (int64 nnz, int64 n, little-endian)
+followed by the payload; the receiver hands the header's nnz to the decoder as a device tensor,
+with no host synchronisation. Dense messages are the raw elements.
+
+Sizes: ``Message.nbytes`` is what travels. Ring messages are sent at their exact (or bounded)
+size from and into 16-byte aligned slots; direct messages are packed back to back, so each is
+rounded up to 16 bytes; the padded all-gather route sends ``Step.slot_bytes`` per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from ..formats import Format, align16, coo_bytes, dense_bytes, pici_bytes
+from ..formats.layout import element_size
+from .chunking import ChunkLayout
+from .topology import Topology
+
+if TYPE_CHECKING:
+    from .config import ResolvedThresholds
+
+__all__ = [
+    "COO_HEADER_BYTES",
+    "PADDED_GATHER_SLACK",
+    "Phase",
+    "Route",
+    "Message",
+    "Step",
+    "Plan",
+    "message_bytes",
+    "choose_format",
+    "sparsity",
+    "plan_reduce_scatter",
+    "plan_all_gather",
+    "estimate_reduced_counts",
+]
+
+COO_HEADER_BYTES = 16
+"""Bytes in front of every COO payload: int64 nnz, int64 n."""
+
+PADDED_GATHER_SLACK = 1.25
+"""The direct all-gather pads every rank's payload to the largest (one ``all_gather``) when that
+sends at most this factor more bytes than exact sizes would; otherwise it uses grouped p2p."""
+
+
+class Phase(str, enum.Enum):
+    """The phase a step belongs to."""
+
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+
+
+class Route(str, enum.Enum):
+    """How the transport moves a step's messages."""
+
+    P2P = "p2p"
+    """Batched isend / irecv of each message (ring steps; unpadded direct all-gather)."""
+    ALL_TO_ALL = "all_to_all"
+    """One ``all_to_all_single`` with the planned split sizes (direct reduce-scatter)."""
+    ALL_GATHER = "all_gather"
+    """One ``all_gather`` of payloads padded to ``Step.slot_bytes`` (direct all-gather)."""
+
+
+class Message(NamedTuple):
+    """One piece of one chunk going from ``src`` to ``dst``.
+
+    A named tuple rather than a dataclass: plans hold O(world^2 * channels) of them and are
+    built on every call's host path.
+    """
+
+    src: int
+    """Sending group rank."""
+    dst: int
+    """Receiving group rank."""
+    chunk: int
+    """The chunk it carries (a slice of the chunked tensor; see :class:`ChunkLayout`)."""
+    piece: int
+    """Which piece of the chunk."""
+    start: int
+    """First element of the piece in the chunked tensor."""
+    numel: int
+    """Elements of the piece."""
+    format: Format
+    """Wire format."""
+    nbytes: int
+    """Bytes on the wire, framing and padding included; both sides size their buffers by it."""
+    nnz_bound: int
+    """Most nonzeros the piece can hold (the count when ``nnz_exact``)."""
+    nnz_exact: bool
+    """True when ``nnz_bound`` is the measured count rather than a bound."""
+    sparsity: float
+    """The sparsity estimate the format was chosen from (measured when ``nnz_exact``)."""
+    threshold: float
+    """The threshold it was compared with."""
+    inter_node: bool
+    """True when the hop crosses a node boundary."""
+
+    dense_nbytes: int
+    """What the same piece costs dense (the baseline for savings)."""
+
+    @property
+    def sparse(self) -> bool:
+        """True unless the message travels dense."""
+        return self.format is not Format.DENSE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Step:
+    """Messages that move at once: one ring step, or the single exchange of a direct phase."""
+
+    phase: Phase
+    """Reduce-scatter (messages are accumulated) or all-gather (messages overwrite)."""
+    index: int
+    """Step number within its phase."""
+    route: Route
+    """How the transport moves the messages."""
+    messages: tuple[Message, ...]
+    """Every message of the step, of every rank, in (src, chunk, piece) order."""
+    slot_bytes: int = 0
+    """Route ``ALL_GATHER`` only: each rank's payloads, packed, padded to this size."""
+
+    def sent_by(self, rank: int) -> list[Message]:
+        """The messages ``rank`` sends in this step."""
+        return [m for m in self.messages if m.src == rank]
+
+    def received_by(self, rank: int) -> list[Message]:
+        """The messages ``rank`` receives in this step."""
+        return [m for m in self.messages if m.dst == rank]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything a collective sends, step by step, for every rank. Equal on every rank."""
+
+    collective: str
+    """``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``."""
+    algorithm: str
+    """``"ring"`` or ``"direct"``."""
+    format: Format
+    """The sparse format messages may use (``DENSE``: every message is dense)."""
+    dtype: torch.dtype
+    """Element type of the data."""
+    layout: ChunkLayout
+    """The chunks and pieces of the chunked tensor."""
+    topology: Topology
+    """Which ranks share a node."""
+    steps: tuple[Step, ...]
+    """The steps in order (an all-reduce lists its reduce-scatter steps, then its gather steps)."""
+
+    @property
+    def world(self) -> int:
+        """Ranks in the group."""
+        return self.layout.world
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per element."""
+        return element_size(self.dtype)
+
+    def messages(self, phase: Phase | None = None) -> Iterator[Message]:
+        """Every message (of one phase, if given) in step order."""
+        for step in self.steps:
+            if phase is None or step.phase is phase:
+                yield from step.messages
+
+    def phase_steps(self, phase: Phase) -> tuple[Step, ...]:
+        """The steps of one phase."""
+        return tuple(s for s in self.steps if s.phase is phase)
+
+    def bytes_sent(self, rank: int | None = None) -> int:
+        """Bytes put on the wire by ``rank`` (all ranks when ``None``), padding included."""
+        total = 0
+        for step in self.steps:
+            if step.route is Route.ALL_GATHER:
+                senders = self.world if rank is None else 1
+                total += senders * step.slot_bytes * (self.world - 1)
+            else:
+                total += sum(m.nbytes for m in step.messages if rank is None or m.src == rank)
+        return total
+
+    def dense_bytes(self, rank: int | None = None) -> int:
+        """Bytes the same steps would send with every message dense."""
+        return sum(m.dense_nbytes for m in self.messages() if rank is None or m.src == rank)
+
+    def format_counts(self, phase: Phase | None = None) -> Counter[Format]:
+        """How many messages travel in each format."""
+        return Counter(m.format for m in self.messages(phase))
+
+    def then(self, other: Plan) -> Plan:
+        """This plan followed by ``other``'s steps (an all-reduce: reduce-scatter, then gather)."""
+        return dataclasses.replace(self, steps=self.steps + other.steps)
+
+    def describe(self) -> str:
+        """A short table: per step, the message formats and the bytes against dense."""
+        head = (
+            f"{self.collective} {self.algorithm} {self.format.value} world={self.world} numel={self.layout.numel} "
+            f"{self.dtype}: {self.bytes_sent()} of {self.dense_bytes()} dense bytes"
+        )
+        lines = [head]
+        for step in self.steps:
+            formats = Counter(m.format.value for m in step.messages)
+            nbytes = (
+                sum(m.nbytes for m in step.messages)
+                if step.route is not Route.ALL_GATHER
+                else (step.slot_bytes * self.world * (self.world - 1))
+            )
+            dense = sum(m.dense_nbytes for m in step.messages)
+            lines.append(
+                f"  {step.phase.value}[{step.index}] {step.route.value}: "
+                f"{dict(sorted(formats.items()))} {nbytes}/{dense} B"
+            )
+        return "\n".join(lines)
+
+
+def sparsity(numel: int, nnz: int) -> float:
+    """Fraction of zeros: ``1 - nnz / numel`` (1.0 for an empty range)."""
+    return 1.0 - nnz / numel if numel else 1.0
+
+
+def message_bytes(fmt: Format | str, numel: int, nnz: int, dtype: torch.dtype) -> int:
+    """Unpadded wire size of a message: dense elements, a bare Pici payload, or header + COO payload."""
+    fmt = Format(fmt)
+    if fmt is Format.DENSE:
+        return dense_bytes(numel, dtype)
+    if fmt is Format.PICI:
+        return pici_bytes(numel, nnz, dtype)
+    return COO_HEADER_BYTES + coo_bytes(numel, nnz, dtype)
+
+
+def choose_format(
+    fmt: Format | str, numel: int, sigma: float, nnz_bound: int, threshold: float, dtype: torch.dtype
+) -> Format:
+    """``fmt`` if the piece is sparser than ``threshold`` and its sparse payload (sized for
+    ``nnz_bound``) is smaller than dense; else dense."""
+    fmt = Format(fmt)
+    if fmt is Format.DENSE or numel == 0 or sigma <= threshold:
+        return Format.DENSE
+    if message_bytes(fmt, numel, nnz_bound, dtype) >= dense_bytes(numel, dtype):
+        return Format.DENSE
+    return fmt
+
+
+class _Sizes:
+    """Message sizes of one planning call, each (format, numel, nnz) computed once.
+
+    Planning runs on every call's host path and builds O(world^2 * channels) messages; most of
+    them repeat a size (equal pieces, forwarded payloads), so a per-call memo keeps the format
+    math in :mod:`spccl_train.formats` while calling it once per distinct size.
+    """
+
+    __slots__ = ("dtype", "_dense", "_sparse")
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._dense: dict[int, int] = {}
+        self._sparse: dict[tuple[Format, int, int], int] = {}
+
+    def dense(self, numel: int) -> int:
+        size = self._dense.get(numel)
+        if size is None:
+            size = self._dense[numel] = dense_bytes(numel, self.dtype)
+        return size
+
+    def sparse(self, fmt: Format, numel: int, nnz: int) -> int:
+        key = (fmt, numel, nnz)
+        size = self._sparse.get(key)
+        if size is None:
+            size = self._sparse[key] = message_bytes(fmt, numel, nnz, self.dtype)
+        return size
+
+
+def _message(
+    src: int,
+    dst: int,
+    chunk: int,
+    piece: int,
+    layout: ChunkLayout,
+    requested: Format,
+    nnz_bound: int,
+    exact: bool,
+    sigma: float,
+    threshold: float,
+    inter: bool,
+    sizes: _Sizes,
+    packed: bool,
+) -> Message:
+    span = layout.pieces[chunk][piece]
+    # choose_format's rule, with each size computed once
+    dense = sizes.dense(span.numel)
+    fmt, nbytes = Format.DENSE, dense
+    if requested is not Format.DENSE and span.numel and sigma > threshold:
+        sparse = sizes.sparse(requested, span.numel, nnz_bound)
+        if sparse < dense:
+            fmt, nbytes = requested, sparse
+    return Message(
+        src=src,
+        dst=dst,
+        chunk=chunk,
+        piece=piece,
+        start=span.start,
+        numel=span.numel,
+        format=fmt,
+        nbytes=align16(nbytes) if packed else nbytes,
+        nnz_bound=nnz_bound,
+        nnz_exact=exact,
+        sparsity=sigma,
+        threshold=threshold,
+        inter_node=inter,
+        dense_nbytes=dense,
+    )
+
+
+def _check_counts(counts: Sequence[Sequence[int]], rows: int, cols: int, what: str) -> None:
+    if len(counts) != rows or any(len(row) != cols for row in counts):
+        shape = (len(counts), len(counts[0]) if len(counts) else 0)
+        raise ValueError(f"{what} counts must be {rows} rows of {cols} per-piece counts, got shape {shape}")
+
+
+def plan_reduce_scatter(
+    counts: Sequence[Sequence[int]],
+    layout: ChunkLayout,
+    dtype: torch.dtype,
+    *,
+    fmt: Format | str,
+    algorithm: str,
+    thresholds: ResolvedThresholds,
+    topology: Topology,
+    collective: str = "reduce_scatter",
+) -> Plan:
+    """Plan a reduce-scatter (or an all-reduce's first phase) of the chunked tensor.
+
+    Args:
+        counts: ``counts[q][c * channels + k]`` is the nnz of rank ``q``'s contribution to
+            piece ``k`` of chunk ``c``.
+        layout: the chunks (chunk ``c`` ends up summed on rank ``c``).
+        dtype: the element type.
+        fmt: the sparse format messages may use, or ``"dense"``.
+        algorithm: ``"ring"`` (link-aware thresholds, extrapolated fill-in) or ``"direct"``
+            (every contribution sent once to its owner, at its measured sparsity).
+        thresholds: resolved intra / inter thresholds (``ag`` is not used here).
+        topology: which ranks share a node.
+        collective: the name recorded in the plan.
+    """
+    p, ch = layout.world, layout.channels
+    _check_counts(counts, p, p * ch, "reduce-scatter")
+    fmt = Format(fmt)
+    if algorithm == "ring":
+        steps = _ring_reduce_scatter_steps(counts, layout, _Sizes(dtype), fmt, thresholds, topology)
+    elif algorithm == "direct":
+        steps = _direct_reduce_scatter_steps(counts, layout, _Sizes(dtype), fmt, thresholds, topology)
+    else:
+        raise ValueError(f"algorithm={algorithm!r} must be 'ring' or 'direct' to plan")
+    return Plan(collective, algorithm, fmt, dtype, layout, topology, steps)
+
+
+def _ring_reduce_scatter_steps(counts, layout, sizes, fmt, th, topo) -> tuple[Step, ...]:
+    # Step s: rank q sends its running sum of chunk (q - s - 1) % p to q + 1, which adds its own
+    # contribution; after p - 1 steps rank c holds the full sum of chunk c. The piece sent at
+    # step s carries the contributions of ranks c + 1, ..., c + s + 1 = q.
+    p, ch = layout.world, layout.channels
+    sigma = [[1.0] * ch for _ in range(p)]
+    bound = [[0] * ch for _ in range(p)]
+    contributors = [[0] * ch for _ in range(p)]
+    steps = []
+    for s in range(p - 1):
+        messages = []
+        for q in range(p):
+            c, dst = (q - s - 1) % p, (q + 1) % p
+            inter = topo.is_inter(q, dst)
+            tau = th.inter if inter else th.intra
+            for k, span in enumerate(layout.pieces[c]):
+                if not span.numel:
+                    continue
+                count = counts[q][c * ch + k]
+                sigma[c][k] *= sparsity(span.numel, count)
+                bound[c][k] = min(span.numel, bound[c][k] + count)
+                contributors[c][k] += count > 0
+                exact = contributors[c][k] <= 1  # adding all-zero pieces changes nothing
+                messages.append(
+                    _message(q, dst, c, k, layout, fmt, bound[c][k], exact, sigma[c][k], tau, inter, sizes, False)
+                )
+        steps.append(Step(Phase.REDUCE_SCATTER, s, Route.P2P, tuple(messages)))
+    return tuple(steps)
+
+
+def _direct_reduce_scatter_steps(counts, layout, sizes, fmt, th, topo) -> tuple[Step, ...]:
+    p, ch = layout.world, layout.channels
+    messages = []
+    for q in range(p):
+        for c in range(p):
+            if c == q:
+                continue
+            inter = topo.is_inter(q, c)
+            tau = th.inter if inter else th.intra
+            for k, span in enumerate(layout.pieces[c]):
+                if span.numel:
+                    count = counts[q][c * ch + k]
+                    sigma = sparsity(span.numel, count)
+                    messages.append(_message(q, c, c, k, layout, fmt, count, True, sigma, tau, inter, sizes, True))
+    if p == 1:
+        return ()
+    return (Step(Phase.REDUCE_SCATTER, 0, Route.ALL_TO_ALL, tuple(messages)),)
+
+
+def plan_all_gather(
+    counts: Sequence[Sequence[int]],
+    layout: ChunkLayout,
+    dtype: torch.dtype,
+    *,
+    fmt: Format | str,
+    algorithm: str,
+    threshold: float,
+    topology: Topology,
+    collective: str = "all_gather",
+    measured: bool = True,
+) -> Plan:
+    """Plan an all-gather (or an all-reduce's gather phase) of the chunked tensor.
+
+    Args:
+        counts: ``counts[c][k]`` is the nnz of piece ``k`` of chunk ``c``, held by rank ``c``.
+        layout, dtype, fmt, topology, collective: as for :func:`plan_reduce_scatter`.
+        algorithm: ``"ring"`` (each payload is forwarded p - 1 times, unchanged) or ``"direct"``
+            (each payload goes to every rank at once).
+        threshold: the all-gather threshold (a payload never changes in an all-gather, so one
+            format per piece for every hop).
+        measured: False when ``counts`` are estimates (the cost model's look-ahead); recorded in
+            ``Message.nnz_exact``.
+    """
+    p, ch = layout.world, layout.channels
+    _check_counts(counts, p, ch, "all-gather")
+    fmt = Format(fmt)
+    sizes = _Sizes(dtype)
+    if algorithm == "ring":
+        steps = []
+        for s in range(p - 1):
+            messages = []
+            for q in range(p):
+                c, dst = (q - s) % p, (q + 1) % p
+                inter = topology.is_inter(q, dst)
+                for k, span in enumerate(layout.pieces[c]):
+                    if span.numel:
+                        count = counts[c][k]
+                        sigma = sparsity(span.numel, count)
+                        messages.append(
+                            _message(q, dst, c, k, layout, fmt, count, measured, sigma, threshold, inter, sizes, False)
+                        )
+            steps.append(Step(Phase.ALL_GATHER, s, Route.P2P, tuple(messages)))
+        return Plan(collective, algorithm, fmt, dtype, layout, topology, tuple(steps))
+    if algorithm != "direct":
+        raise ValueError(f"algorithm={algorithm!r} must be 'ring' or 'direct' to plan")
+    if p == 1:
+        return Plan(collective, algorithm, fmt, dtype, layout, topology, ())
+    messages = []
+    totals = [0] * p
+    for c in range(p):
+        for d in range(p):
+            if d == c:
+                continue
+            inter = topology.is_inter(c, d)
+            for k, span in enumerate(layout.pieces[c]):
+                if span.numel:
+                    count = counts[c][k]
+                    sigma = sparsity(span.numel, count)
+                    m = _message(c, d, c, k, layout, fmt, count, measured, sigma, threshold, inter, sizes, True)
+                    messages.append(m)
+                    if d == (c + 1) % p:
+                        totals[c] += m.nbytes
+    widest = max(totals)
+    if widest and p * widest <= PADDED_GATHER_SLACK * sum(totals):
+        step = Step(Phase.ALL_GATHER, 0, Route.ALL_GATHER, tuple(messages), slot_bytes=widest)
+    else:
+        step = Step(Phase.ALL_GATHER, 0, Route.P2P, tuple(messages))
+    return Plan(collective, algorithm, fmt, dtype, layout, topology, (step,))
+
+
+def estimate_reduced_counts(counts: Sequence[Sequence[int]], layout: ChunkLayout) -> list[list[int]]:
+    """Expected nnz of every piece after summing all ranks' contributions (independent positions).
+
+    ``n * (1 - prod(sigma_q))``, capped by ``min(n, sum of counts)``. Used to look ahead at an
+    all-reduce's gather phase before its counts are measured.
+    """
+    p, ch = layout.world, layout.channels
+    _check_counts(counts, p, p * ch, "reduce-scatter")
+    out = []
+    for c in range(p):
+        row = []
+        for k, span in enumerate(layout.pieces[c]):
+            n = span.numel
+            sigma, total = 1.0, 0
+            for q in range(p):
+                sigma *= sparsity(n, counts[q][c * ch + k])
+                total += counts[q][c * ch + k]
+            row.append(min(n, total, round(n * (1.0 - sigma))))
+        out.append(row)
+    return out

@@ -1,0 +1,668 @@
+"""The sparse collectives across processes on CPU (gloo), checked against a float64 dense reference.
+
+What is checked, for all-gather, reduce-scatter and all-reduce, ring and direct, formats pici /
+coo / dense / auto, float32 / bfloat16 / float16, sparsity 0 / 50 / 99 / 100 %, odd lengths,
+identical / disjoint / random supports, world sizes 1, 2, 3, 4 (as two simulated nodes) and 8:
+
+- results equal the float64 sum within the rounding of ``world`` additions in the data type;
+  positions that are zero on every rank are exactly zero; all-gather is exact; every rank's
+  all-reduce result is bit-identical (up to the sign of zero: sparse payloads decode -0.0 as +0.0); inputs of all-gather / reduce-scatter are unchanged;
+- the plan follows the rules, re-derived from the data itself: every exact count is the true
+  count of that piece, every bound covers the partial sum it sizes, every sparsity is the
+  measured (or, in a ring reduction, the product-extrapolated) one, and every message is sparse
+  exactly when its sparsity is above the threshold of its hop (intra / inter node) or phase
+  (all-gather) and its payload is smaller than dense;
+- bad calls (mismatched numel, dtype, config or collective; a non-contiguous tensor on one rank;
+  wrong sizes; unsupported dtypes or ops) raise the same ValueError on every rank and leave the
+  group usable.
+
+Process pools (``tests/_pool.py``): one per world size, spawned once per module with a
+``file://`` rendezvous under pytest's tmp_path; each rank runs jobs (a function of this module
+and its arguments) sent by the tests. Inputs are drawn fresh every run from a seed (``SPCCL_TEST_SEED=<seed>`` replays a
+failure; failures print it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import random
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import spccl_train
+from _pool import pool_factory
+from spccl_train.collectives import CollectiveConfig, CostModel, Phase, Thresholds, last_stats
+from spccl_train.collectives.cost import CodecCost, LinkCost
+from spccl_train.collectives.plan import message_bytes
+from spccl_train.formats import Format
+
+SEED = int(os.environ.get("SPCCL_TEST_SEED", random.SystemRandom().randrange(2**31)))
+os.environ["SPCCL_TEST_SEED"] = str(SEED)  # the spawned ranks import this module and must draw alike
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+SPARSITIES = (0.0, 0.5, 0.99, 1.0)
+SUPPORTS = ("random", "identical", "disjoint")
+TILE = 4096
+
+
+# ----------------------------------------------------------------------------- process pools
+
+
+@pytest.fixture(scope="module")
+def pools(tmp_path_factory):
+    yield from pool_factory(tmp_path_factory, f"SPCCL_TEST_SEED={SEED}")
+
+
+# ----------------------------------------------------------------------------- data and checks
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32(repr((SEED, *parts)).encode())
+
+
+def _inputs(seed: int, world: int, n: int, dtype: torch.dtype, sparsity: float, support: str) -> torch.Tensor:
+    """Every rank's input (row q is rank q's), built alike on every rank from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(world, n, generator=g).to(dtype)
+    values[values == 0] = 1
+    density = 1.0 - sparsity
+    if support == "random":
+        keep = torch.rand(world, n, generator=g) < density
+    elif support == "identical":
+        keep = (torch.rand(n, generator=g) < density).expand(world, n)
+    elif support == "disjoint":
+        owner = torch.randint(world, (n,), generator=g)
+        active = torch.rand(n, generator=g) < min(1.0, world * density)
+        keep = active & (owner == torch.arange(world)[:, None])
+    elif support == "skewed":  # rank 0 at the given density, the others a hundred times sparser
+        scale = torch.tensor([1.0] + [0.01] * (world - 1))[:, None]
+        keep = torch.rand(world, n, generator=g) < density * scale
+    else:
+        raise ValueError(support)
+    x = torch.where(keep, values, torch.zeros((), dtype=dtype))
+    x[~keep & (torch.rand(world, n, generator=g) < 0.3)] = -0.0  # negative zeros are zeros too
+    return x.contiguous()
+
+
+def _digest(t: torch.Tensor) -> str:
+    """Hash of the bits, with -0.0 read as +0.0 (sparse formats decode every zero as +0.0)."""
+    t = torch.where(t == 0, torch.zeros((), dtype=t.dtype), t)
+    return hashlib.sha1(t.contiguous().view(INT_OF[t.dtype]).numpy().tobytes()).hexdigest()
+
+
+def _check_sum(got: torch.Tensor, parts: torch.Tensor, what: str) -> None:
+    """``got`` is the sum over dim 0 of ``parts`` up to ``world`` roundings; all-zero columns exact."""
+    world = parts.shape[0]
+    ref = parts.double().sum(0)
+    tol = 2 * world * EPS[parts.dtype] * parts.double().abs().sum(0)
+    err = (got.double() - ref).abs()
+    bad = torch.nonzero(err > tol).view(-1)
+    assert bad.numel() == 0, (
+        f"{what}: {bad.numel()} elements off, first at {bad[:5].tolist()}: got {got[bad[:5]].tolist()}, "
+        f"expected {ref[bad[:5]].tolist()} (tol {tol[bad[:5]].tolist()})"
+    )
+    zero = (parts == 0).all(0)
+    assert bool((got[zero] == 0).all()), f"{what}: a position zero on every rank is nonzero"
+
+
+def _nnz(t: torch.Tensor) -> int:
+    return int((t != 0).sum())
+
+
+def _check_plan(
+    collective: str, cfg: CollectiveConfig, xs: torch.Tensor, result: torch.Tensor, what: str, rank: int
+) -> None:
+    """Re-derive every message's count, bound, sparsity, threshold and format from the data."""
+    stats = last_stats()
+    plan = stats.plan
+    if plan is None:
+        assert stats.algorithm == "native" and cfg.format in ("auto", "dense"), what
+        return
+    world = xs.shape[0]
+    dtype = xs.dtype
+    if cfg.format != "auto":
+        assert plan.format.value == cfg.format and stats.algorithm == cfg.algorithm, what
+    th = cfg.thresholds.resolve(plan.format)
+    rpn = cfg.ranks_per_node or world
+    flat = xs.view(world, -1)
+    for step in plan.steps:
+        for m in step.messages:
+            piece = slice(m.start, m.start + m.numel)
+            inter = m.src // rpn != m.dst // rpn
+            assert m.inter_node == inter, what
+            if step.phase is Phase.REDUCE_SCATTER:
+                contributors = (
+                    [m.src]
+                    if plan.algorithm == "direct"
+                    else [(m.chunk + 1 + i) % world for i in range(step.index + 1)]
+                )
+                counts = [_nnz(flat[q, piece]) for q in contributors]
+                assert m.nnz_bound == min(m.numel, sum(counts)), f"{what}: bound of {m}"
+                union = _nnz((flat[contributors, piece] != 0).any(0))
+                assert union <= m.nnz_bound, what
+                sigma = math.prod(1.0 - c / m.numel for c in counts)
+                expected_threshold = th.inter if inter else th.intra
+            elif not m.nnz_exact:  # a dense all-reduce plans its gather phase without counting
+                assert collective == "all_reduce" and plan.format is Format.DENSE and m.format is Format.DENSE, what
+                continue
+            else:
+                source = result.view(-1) if collective == "all_reduce" else flat[m.chunk]
+                offset = 0 if collective == "all_reduce" else m.chunk * flat.shape[1]
+                count = _nnz(source[m.start - offset : m.start - offset + m.numel])
+                assert m.nnz_exact and m.nnz_bound == count, f"{what}: count of {m}"
+                sigma = 1.0 - count / m.numel
+                expected_threshold = th.ag
+            assert math.isclose(m.sparsity, sigma, rel_tol=1e-9, abs_tol=1e-12), f"{what}: sparsity of {m}"
+            assert m.threshold == expected_threshold, f"{what}: threshold of {m}"
+            sparse_pays = message_bytes(plan.format, m.numel, m.nnz_bound, dtype) < m.dense_nbytes
+            expected = plan.format if (sigma > expected_threshold and sparse_pays) else Format.DENSE
+            assert m.format is expected, f"{what}: format of {m}"
+    assert stats.bytes_sent == plan.bytes_sent(rank), what
+    assert stats.exchanges == (2 if collective == "all_reduce" and plan.format is not Format.DENSE else 1), what
+    assert int(stats.decode_status) == 0, what
+
+
+def _run_one(rank, world, collective, xs, cfg, what, group=None):
+    """Run one collective on this rank's row of ``xs``; check it; return the output's digest.
+
+    ``rank`` and ``world`` are this process's rank in ``group`` and the group's size.
+    """
+    me = rank
+    dtype = xs.dtype
+    mine = xs[me].clone()
+    if collective == "all_reduce":
+        out = mine
+        spccl_train.all_reduce(out, group=group, config=cfg)
+        _check_sum(out, xs, what)
+    elif collective == "reduce_scatter":
+        out = torch.empty(xs.shape[1] // world, dtype=dtype)
+        spccl_train.reduce_scatter_tensor(out, mine, group=group, config=cfg)
+        assert torch.equal(mine.view(INT_OF[dtype]), xs[me].view(INT_OF[dtype])), f"{what}: input modified"
+        _check_sum(out, xs.view(world, world, -1)[:, me], what)
+    else:
+        out = torch.empty(world * xs.shape[1], dtype=dtype)
+        spccl_train.all_gather_into_tensor(out, mine, group=group, config=cfg)
+        assert torch.equal(mine.view(INT_OF[dtype]), xs[me].view(INT_OF[dtype])), f"{what}: input modified"
+        assert torch.equal(out, xs.reshape(-1)), f"{what}: all-gather is not exact"
+    _check_plan(collective, cfg, xs, out, what, rank)
+    return _digest(out)
+
+
+def _lengths(collective: str, world: int) -> list[tuple[int, int]]:
+    """(input numel, channels) per case: a tiny odd length and one spanning tiles unevenly."""
+    if collective == "all_reduce":
+        return [(13 * world + 5, 1), (world * TILE + 777, 3)]
+    if collective == "reduce_scatter":
+        return [(13 * world, 1), ((TILE + 77) * world, 3)]
+    return [(13, 1), (TILE + 77, 3)]
+
+
+def _job_matrix(rank, world, seed, collective, algorithm, fmt, dtype_name, sparsities, supports, lengths, rpn, cost):
+    dtype = DTYPES[dtype_name]
+    digests = []
+    for sparsity in sparsities:
+        for support in supports:
+            for n, channels in lengths:
+                what = f"{collective} {algorithm} {fmt} {dtype_name} sparsity={sparsity} {support} n={n} ch={channels}"
+                xs = _inputs(_seed(seed, sparsity, support, n), world, n, dtype, sparsity, support)
+                cfg = CollectiveConfig(
+                    format=fmt, algorithm=algorithm, channels=channels, ranks_per_node=rpn, cost_model=cost
+                )
+                digests.append(_run_one(rank, world, collective, xs, cfg, what))
+    return digests
+
+
+def _matrix(
+    pool,
+    collective,
+    algorithm,
+    fmt,
+    dtype_name,
+    *,
+    sparsities=SPARSITIES,
+    supports=SUPPORTS,
+    lengths=None,
+    rpn=None,
+    cost=None,
+):
+    world = pool.world
+    lengths = lengths or _lengths(collective, world)
+    seed = _seed(collective, algorithm, fmt, dtype_name, world)
+    digests = pool.run(
+        _job_matrix, seed, collective, algorithm, fmt, dtype_name, sparsities, supports, lengths, rpn, cost
+    )
+    if collective == "all_reduce":  # the owner of each chunk reduces it once: every rank holds the same bits
+        assert all(d == digests[0] for d in digests)
+
+
+# ----------------------------------------------------------------------------- the matrix
+
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+ALGORITHMS = ("ring", "direct")
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("fmt", ["pici", "coo", "dense", "auto"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_world3_full_matrix(pools, collective, algorithm, fmt, dtype_name):
+    _matrix(pools(3), collective, algorithm, fmt, dtype_name)
+
+
+@pytest.mark.parametrize("fmt", ["pici", "coo"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_world2(pools, collective, algorithm, fmt):
+    dtype_name = "fp32" if fmt == "pici" else "bf16"
+    _matrix(pools(2), collective, algorithm, fmt, dtype_name, lengths=_lengths(collective, 2)[1:])
+
+
+@pytest.mark.parametrize("fmt", ["pici", "coo", "dense"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_world4_two_simulated_nodes(pools, collective, algorithm, fmt):
+    """Ranks 0-1 and 2-3 form two nodes: hops 1->2 and 3->0 (ring) use the inter-node threshold."""
+    dtype_name = {"pici": "fp32", "coo": "fp16", "dense": "bf16"}[fmt]
+    _matrix(
+        pools(4),
+        collective,
+        algorithm,
+        fmt,
+        dtype_name,
+        sparsities=(0.5, 0.99, 1.0),
+        rpn=2,
+        lengths=_lengths(collective, 4)[1:],
+    )
+
+
+def _job_link_aware(rank, world, seed):
+    # 80% sparse, random supports: after 2 ring steps sigma ~ 0.64 (> intra 0.6 and inter 0.5),
+    # after 3 ~ 0.51, between the two: inter-node hops stay Pici, intra-node hops go dense.
+    n = world * 8 * TILE
+    xs = _inputs(seed, world, n, torch.float32, 0.8, "random")
+    cfg = CollectiveConfig(format="pici", algorithm="ring", ranks_per_node=2)
+    _run_one(rank, world, "reduce_scatter", xs, cfg, "link-aware")
+    last = last_stats().plan.steps[-1].messages
+    return sorted({(m.src, m.dst, m.format.value) for m in last})
+
+
+def test_world4_link_aware_formats(pools):
+    got = pools(4).run(_job_link_aware, _seed("link"))
+    assert got[0] == [(0, 1, "dense"), (1, 2, "pici"), (2, 3, "dense"), (3, 0, "pici")]
+
+
+def _job_phase_aware(rank, world, seed):
+    # 70% sparse inputs on 3 ranks: the reduced chunks are ~66% zeros; the reduce-scatter steps
+    # (intra 0.6) fill in to dense, while the gather phase (ag 0.1) stays Pici
+    n = world * 4 * TILE
+    xs = _inputs(seed, world, n, torch.float32, 0.7, "random")
+    cfg = CollectiveConfig(format="pici", algorithm="ring")
+    _run_one(rank, world, "all_reduce", xs, cfg, "phase-aware")
+    plan = last_stats().plan
+    return [sorted({m.format.value for m in s.messages}) for s in plan.steps]
+
+
+def test_world3_phase_aware_all_reduce(pools):
+    got = pools(3).run(_job_phase_aware, _seed("phase"))
+    assert got[0] == [["pici"], ["dense"], ["pici"], ["pici"]]
+
+
+def _job_world8(rank, world, seed):
+    out = []
+    for collective, algorithm, fmt, dtype_name in [
+        ("all_reduce", "ring", "pici", "fp32"),
+        ("all_reduce", "direct", "coo", "bf16"),
+        ("reduce_scatter", "ring", "coo", "fp16"),
+        ("all_gather", "direct", "pici", "fp32"),
+    ]:
+        n = (world * TILE + 333) if collective == "all_reduce" else world * 1001
+        for sparsity, support in [(0.99, "random"), (0.5, "disjoint")]:
+            what = f"world8 {collective} {algorithm} {fmt} {sparsity} {support}"
+            xs = _inputs(_seed(seed, collective, sparsity), world, n, DTYPES[dtype_name], sparsity, support)
+            cfg = CollectiveConfig(format=fmt, algorithm=algorithm, ranks_per_node=4, channels=2)
+            out.append(_run_one(rank, world, collective, xs, cfg, what))
+    return out
+
+
+def test_world8(pools):
+    got = pools(8).run(_job_world8, _seed("world8"))
+    assert len({tuple(d[:2]) for d in got}) == 1  # the two all-reduce digests agree on every rank
+
+
+def _job_world1(rank, world, seed):
+    for collective in COLLECTIVES:
+        for fmt in ("pici", "coo", "dense", "auto"):
+            for algorithm in ALGORITHMS:
+                xs = _inputs(_seed(seed, collective, fmt), 1, 1000, torch.bfloat16, 0.9, "random")
+                cfg = CollectiveConfig(format=fmt, algorithm=algorithm)
+                mine = xs[0].clone()
+                out = mine if collective == "all_reduce" else torch.empty_like(mine)
+                if collective == "all_reduce":
+                    spccl_train.all_reduce(out, config=cfg)
+                elif collective == "reduce_scatter":
+                    spccl_train.reduce_scatter_tensor(out, mine, config=cfg)
+                else:
+                    spccl_train.all_gather_into_tensor(out, mine, config=cfg)
+                assert torch.equal(out.view(torch.int16), xs[0].view(torch.int16))
+                assert last_stats().algorithm == "local" and last_stats().exchanges == 0
+    bad = torch.zeros(4, 4)[:, 0]
+    try:
+        spccl_train.all_reduce(bad)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_world1(pools):
+    (message,) = pools(1).run(_job_world1, _seed("world1"))
+    assert "rank 0: the input is not contiguous" in message
+
+
+# ----------------------------------------------------------------------------- auto
+
+
+def _slow_links() -> CostModel:
+    """Links so slow that compression pays for anything sparse (but not for dense data)."""
+    base = CostModel.default("cpu")
+    slow = LinkCost(latency_s=1e-5, bandwidth=1e6)
+    fast = CodecCost(compress=1e9, decompress=1e9, accumulate=1e9, call_s=1e-5)
+    return CostModel(
+        intra=slow,
+        inter=slow,
+        pici=fast,
+        coo=fast,
+        reduce=base.reduce,
+        copy=base.copy,
+        count=base.count,
+        exchange_s=base.exchange_s,
+    )
+
+
+def _job_auto(rank, world, seed):
+    picks = []
+    for collective in COLLECTIVES:
+        n = {"all_reduce": world * TILE + 1, "reduce_scatter": world * 3000, "all_gather": 3000}[collective]
+        for sparsity in (0.0, 0.99):
+            xs = _inputs(_seed(seed, collective, sparsity), world, n, torch.float32, sparsity, "random")
+            cfg = CollectiveConfig(cost_model=_slow_links())
+            _run_one(rank, world, collective, xs, cfg, f"auto {collective} {sparsity}")
+            stats = last_stats()
+            assert stats.predicted_s == min(stats.candidates.values()) <= stats.candidates["native/dense"]
+            assert stats.elapsed_s > 0
+            picks.append((collective, sparsity, stats.algorithm, stats.format.value))
+    return picks
+
+
+def test_auto_picks_by_predicted_time(pools):
+    picks = pools(3).run(_job_auto, _seed("auto"))
+    assert picks[0] == picks[1] == picks[2]
+    for collective, sparsity, algorithm, fmt in picks[0]:
+        if sparsity == 0.0:
+            assert algorithm == "native", (collective, algorithm)
+        else:
+            assert algorithm in ALGORITHMS and fmt in ("pici", "coo"), (collective, algorithm, fmt)
+
+
+# ----------------------------------------------------------------------------- bad calls
+
+
+def _attempt(call) -> str:
+    try:
+        call()
+    except (ValueError, TypeError) as exc:  # the error is the result; anything else fails the test
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _job_bad_call(rank, world, case):
+    """Make one bad call (bad on some ranks only, for most cases); then show the group still works."""
+    n = 10 * world
+    x = torch.ones(n)
+    out = torch.empty(n)
+    cfg = CollectiveConfig(format="pici", algorithm="ring")
+    calls = {
+        "numel": lambda: spccl_train.all_reduce(torch.ones(n + (rank == 1)), config=cfg),
+        "dtype": lambda: spccl_train.all_reduce(x.to(torch.bfloat16) if rank == 2 else x, config=cfg),
+        "config": lambda: spccl_train.all_reduce(x, config=CollectiveConfig(format="pici" if rank else "coo")),
+        "thresholds": lambda: spccl_train.all_reduce(
+            x, config=CollectiveConfig(format="pici", thresholds=Thresholds(intra=0.5 if rank == 1 else 0.6))
+        ),
+        "collective": lambda: (
+            spccl_train.all_reduce(x, config=cfg)
+            if rank == 0
+            else spccl_train.all_gather_into_tensor(out, x[:10], config=cfg)
+        ),
+        "not_contiguous": lambda: spccl_train.all_reduce(torch.ones(world, 10).t() if rank == 1 else x, config=cfg),
+        "output_size": lambda: spccl_train.all_gather_into_tensor(torch.empty(n + (rank == 2)), x[:10], config=cfg),
+        "input_size": lambda: spccl_train.reduce_scatter_tensor(torch.empty(10), torch.ones(n + 1), config=cfg),
+        "output_dtype": lambda: spccl_train.reduce_scatter_tensor(
+            torch.empty(10, dtype=torch.float16 if rank == 0 else torch.float32), x, config=cfg
+        ),
+        "unsupported_dtype": lambda: spccl_train.all_reduce(torch.ones(n, dtype=torch.int32), config=cfg),
+        "overlap": lambda: spccl_train.all_gather_into_tensor(out, out[1:11] if rank == 1 else x[:10], config=cfg),
+        "op": lambda: spccl_train.all_reduce(x, config=cfg, op=dist.ReduceOp.MAX),
+        "not_a_tensor": lambda: spccl_train.all_reduce([1.0, 2.0], config=cfg),
+        "bad_config": lambda: spccl_train.all_reduce(x, config={"format": "pici"}),
+    }
+    message = _attempt(calls[case])
+    check = torch.full((n,), float(rank + 1))
+    spccl_train.all_reduce(check, config=cfg)
+    assert torch.equal(check, torch.full((n,), float(world * (world + 1) // 2))), "the group is broken afterwards"
+    return message
+
+
+BAD_CALLS = {
+    "numel": "ValueError: spccl_train.all_reduce: ranks disagree on the input numel (rank 0: 30, rank 1: 31, rank 2: 30)",
+    "dtype": "disagree on the dtype (rank 0: torch.float32, rank 1: torch.float32, rank 2: torch.bfloat16)",
+    "config": "ranks passed different CollectiveConfigs (alike within: ranks [0]; ranks [1, 2])",
+    "thresholds": "ranks passed different CollectiveConfigs (alike within: ranks [0, 2]; ranks [1])",
+    "collective": "ranks called different collectives (rank 0: all_reduce, rank 1: all_gather_into_tensor",
+    "not_contiguous": "invalid arguments on 1 of 3 ranks. rank 1: the input is not contiguous",
+    "output_size": "rank 2: the output has 31 elements but needs world_size * input.numel() = 3 * 10 = 30",
+    "input_size": "the input has 31 elements but needs world_size * output.numel() = 3 * 10 = 30",
+    "output_dtype": "rank 0: the output dtype torch.float16 differs from the input dtype torch.float32",
+    "unsupported_dtype": "dtype torch.int32 is not supported",
+    "overlap": "rank 1: the output overlaps the input",
+    "op": "ValueError: spccl_train.all_reduce supports op=ReduceOp.SUM only",
+    "not_a_tensor": "TypeError: output must be a torch.Tensor, got list",
+    "bad_config": "TypeError: config must be a CollectiveConfig or None, got dict",
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_call_raises_alike_on_every_rank(pools, case):
+    messages = pools(3).run(_job_bad_call, case)
+    assert messages[0] == messages[1] == messages[2], messages
+    assert BAD_CALLS[case] in messages[0], messages[0]
+    if not messages[0].startswith("TypeError"):
+        assert messages[0].startswith("ValueError: spccl_train"), messages[0]
+
+
+# ----------------------------------------------------------------------------- handles, aliasing, edges
+
+
+def _job_async(rank, world, seed):
+    xs = _inputs(seed, world, world * 2000, torch.float32, 0.95, "random")
+    cfg = CollectiveConfig(format="coo", algorithm="direct")
+    t = xs[rank].clone()
+    work = spccl_train.all_reduce(t, async_op=True, config=cfg)
+    assert work.wait() is True and work.is_completed()
+    value = work.get_future().wait()
+    assert value[0] is t and work.result()[0] is t
+    assert work.stats is last_stats() and work.stats.collective == "all_reduce"
+    _check_sum(t, xs, "async all_reduce")
+    shard = torch.empty(2000)
+    work = spccl_train.reduce_scatter_tensor(shard, xs[rank].clone(), async_op=True, config=cfg)
+    chained = work.get_future().then(lambda fut: fut.value()[0].sum())
+    _check_sum(shard, xs.view(world, world, -1)[:, rank], "async reduce_scatter")
+    assert torch.equal(chained.wait(), shard.sum())
+    gathered = torch.empty(world * xs.shape[1])
+    work = spccl_train.all_gather_into_tensor(gathered, xs[rank].clone(), async_op=True, config=cfg)
+    work.wait()
+    assert torch.equal(gathered, xs.reshape(-1))
+    assert spccl_train.all_reduce(t, config=cfg) is None
+    return True
+
+
+def test_async_handles(pools):
+    assert pools(3).run(_job_async, _seed("async")) == [True] * 3
+
+
+def _job_in_place(rank, world, seed):
+    m = TILE + 5
+    for algorithm in ALGORITHMS:
+        for fmt, sparsity in (("pici", 0.9), ("dense", 0.0), ("coo", 0.999)):
+            what = f"in place {algorithm} {fmt}"
+            xs = _inputs(_seed(seed, algorithm, fmt), world, world * m, torch.bfloat16, sparsity, "random")
+            cfg = CollectiveConfig(format=fmt, algorithm=algorithm, channels=2)
+            # reduce-scatter: the output is this rank's slice of the input
+            buf = xs[rank].clone()
+            spccl_train.reduce_scatter_tensor(buf[rank * m : (rank + 1) * m], buf, config=cfg)
+            _check_sum(buf[rank * m : (rank + 1) * m], xs.view(world, world, m)[:, rank], what)
+            assert torch.equal(buf[: rank * m], xs[rank, : rank * m]), what
+            # all-gather: the input is this rank's slice of the output
+            out = torch.zeros(world * m, dtype=torch.bfloat16)
+            out[rank * m : (rank + 1) * m] = xs[rank, :m]
+            spccl_train.all_gather_into_tensor(out, out[rank * m : (rank + 1) * m], config=cfg)
+            assert torch.equal(out, xs[:, :m].reshape(-1)), what
+    return True
+
+
+def test_in_place_forms(pools):
+    pools(3).run(_job_in_place, _seed("in place"))
+
+
+def _job_specials(rank, world):
+    results = []
+    for collective, algorithm in (("all_reduce", "ring"), ("all_reduce", "direct"), ("reduce_scatter", "ring")):
+        x = torch.zeros(world * 100)
+        special = {0: {5: math.nan, 9: math.inf, 50: 1e-45}, 1: {7: math.inf, 50: 1e-45}, 2: {7: -math.inf}}
+        for position, value in special.get(rank, {}).items():
+            x[position] = value
+        for fmt in ("pici", "coo"):
+            t = x.clone()
+            cfg = CollectiveConfig(format=fmt, algorithm=algorithm)
+            if collective == "all_reduce":
+                spccl_train.all_reduce(t, config=cfg)
+                got = t
+            else:
+                got = torch.empty(100)
+                spccl_train.reduce_scatter_tensor(got, t, config=cfg)
+            if rank == 0 or collective == "all_reduce":
+                results.append(
+                    (math.isnan(got[5]), math.isnan(got[7]), math.isinf(got[9]), float(got[50]), int((got != 0).sum()))
+                )
+    return results
+
+
+def test_nan_inf_subnormal_travel(pools):
+    results = pools(3).run(_job_specials)
+    tiny = float(torch.tensor(1e-45))  # the smallest float32 subnormal
+    expected = (True, True, True, 2 * tiny, 4)
+    assert all(r == expected for r in results[0]), results[0]
+    assert all(r == expected for r in results[1])  # all-reduce results on rank 1
+
+
+def _job_subgroups(rank, world, seed):
+    members = [[0, 2], [1, 3]]
+    groups = [dist.new_group(ranks) for ranks in members]  # every rank creates every group
+    mine = 0 if rank in members[0] else 1
+    group, size = groups[mine], 2
+    me = members[mine].index(rank)
+    digests = []
+    for collective in COLLECTIVES:
+        for algorithm in ALGORITHMS:
+            n = {"all_reduce": 2 * TILE + 9, "reduce_scatter": 2 * 999, "all_gather": 999}[collective]
+            xs = _inputs(_seed(seed, mine, collective), size, n, torch.float32, 0.9, "random")
+            cfg = CollectiveConfig(format="pici", algorithm=algorithm, channels=2)
+            what = f"subgroup {members[mine]} {collective} {algorithm}"
+            digests.append(_run_one(me, size, collective, xs, cfg, what, group))
+    return mine, digests
+
+
+def test_subgroups_run_side_by_side(pools):
+    results = pools(4).run(_job_subgroups, _seed("groups"))
+    for a, b in ((0, 2), (1, 3)):
+        assert results[a][0] == results[b][0]
+        assert results[a][1][0] == results[b][1][0]  # ring all-reduce: same bits in both members
+
+
+def _job_shapes_and_edges(rank, world, seed):
+    cfg = CollectiveConfig(format="pici", algorithm="ring")
+    xs = _inputs(seed, world, 7 * 13, torch.float32, 0.8, "random")
+    t = xs[rank].clone().view(7, 13)
+    spccl_train.all_reduce(t, config=cfg)
+    _check_sum(t.view(-1), xs, "2-D all_reduce")
+    out = torch.empty(world, 7, 13)
+    spccl_train.all_gather_into_tensor(out, xs[rank].view(7, 13), config=cfg)
+    assert torch.equal(out.view(world, -1), xs)
+    rs_in = _inputs(seed + 1, world, world * 12, torch.float32, 0.8, "random")
+    shard = torch.empty(4, 3)
+    spccl_train.reduce_scatter_tensor(shard, rs_in[rank].view(world * 4, 3), config=cfg)
+    _check_sum(shard.view(-1), rs_in.view(world, world, -1)[:, rank], "2-D reduce_scatter")
+    # autograd: a leaf that requires grad is reduced in place and keeps requiring grad
+    param = torch.ones(50, requires_grad=True)
+    spccl_train.all_reduce(param, config=cfg)
+    assert param.requires_grad and torch.equal(param.detach(), torch.full((50,), float(world)))
+    # nothing to move
+    empty = torch.empty(0)
+    for algorithm in ALGORITHMS:
+        cfg = CollectiveConfig(format="coo", algorithm=algorithm)
+        spccl_train.all_reduce(empty, config=cfg)
+        spccl_train.all_gather_into_tensor(torch.empty(0), empty, config=cfg)
+        spccl_train.reduce_scatter_tensor(torch.empty(0), empty, config=cfg)
+        assert last_stats().bytes_sent == 0 and last_stats().exchanges == 1
+    # fewer elements than ranks: the later chunks are empty
+    tiny = _inputs(seed + 2, world, 2, torch.float16, 0.0, "random")
+    t = tiny[rank].clone()
+    spccl_train.all_reduce(t, config=CollectiveConfig(format="pici", algorithm="direct"))
+    _check_sum(t, tiny, "2-element all_reduce")
+    return True
+
+
+def test_shapes_autograd_and_empty_tensors(pools):
+    pools(3).run(_job_shapes_and_edges, _seed("shapes"))
+
+
+def _job_gather_routes(rank, world, seed):
+    routes = []
+    for support in ("random", "skewed"):
+        xs = _inputs(_seed(seed, support), world, 3 * TILE, torch.float32, 0.9, support)
+        cfg = CollectiveConfig(format="pici", algorithm="direct")
+        _run_one(rank, world, "all_gather", xs, cfg, f"direct all-gather {support}")
+        stats = last_stats()
+        routes.append(stats.plan.steps[0].route.value)
+        step = stats.plan.steps[0]
+        if step.route.value == "p2p":  # exact payloads: what this rank sends is what its messages hold
+            assert stats.bytes_sent == sum(m.nbytes for m in step.sent_by(rank))
+        else:  # one padded slot to every other rank
+            assert stats.bytes_sent == (world - 1) * step.slot_bytes
+    return routes
+
+
+def test_direct_all_gather_pads_only_balanced_payloads(pools):
+    routes = pools(3).run(_job_gather_routes, _seed("routes"))
+    assert routes[0] == ["all_gather", "p2p"]
+
+
+def _job_bytes(rank, world, seed):
+    xs = _inputs(seed, world, world * 8 * TILE, torch.float32, 0.99, "random")
+    out = []
+    for algorithm in ALGORITHMS:
+        cfg = CollectiveConfig(format="pici", algorithm=algorithm)
+        _run_one(rank, world, "all_reduce", xs, cfg, f"bytes {algorithm}")
+        stats = last_stats()
+        out.append(stats.bytes_sent / stats.dense_bytes)
+    return out
+
+
+def test_sparse_data_sends_a_fraction_of_dense(pools):
+    for ratios in pools(3).run(_job_bytes, _seed("bytes")):
+        assert all(r < 0.15 for r in ratios), ratios  # 99% sparse: ~3% payload + Pici's 3% metadata

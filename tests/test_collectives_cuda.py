@@ -1,0 +1,100 @@
+"""The collectives over NCCL with the CUDA kernels, against a float64 dense reference.
+
+Skipped without two GPUs and the compiled kernels. On the GPU machine:
+``NCCL_NVLS_ENABLE=0 python -m pytest tests/test_collectives_cuda.py -q``. The multi-GPU test
+spawns one process per GPU (up to 4) with a ``file://`` rendezvous under tmp_path; each rank
+runs every collective x algorithm x format x dtype x sparsity x channel count and writes its
+failures to a file the test reads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import spccl_train
+from spccl_train._ext import kernels_available
+from spccl_train.collectives import ChunkLayout, CollectiveConfig, last_stats
+from spccl_train.collectives.chunking import count_nonzero_pieces
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and kernels_available()),
+    reason="needs a GPU and the compiled spccl CUDA kernels (torch.ops.spccl)",
+)
+
+EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("aligned, world, channels", [(True, 4, 3), (False, 3, 2), (True, 2, 1)])
+def test_encoder_counts_match_torch(dtype, aligned, world, channels):
+    # on CUDA the counts come from the Pici encoder writing metadata only
+    n = world * (3 * 4096 + 77)
+    layout = ChunkLayout.aligned(n, world, channels) if aligned else ChunkLayout.equal(n, world, channels)
+    x = torch.randn(n, device="cuda").to(dtype)
+    x[torch.rand(n, device="cuda") < 0.9] = 0
+    expected = [int((x[p.start : p.stop] != 0).sum()) for chunk in layout.pieces for p in chunk]
+    assert count_nonzero_pieces(x, layout).tolist() == expected
+    own = layout.chunks[1]
+    alone = x[own.start : own.stop].clone()
+    assert count_nonzero_pieces(alone, layout, [1], base=own.start).tolist() == expected[channels : 2 * channels]
+
+
+def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    failures = []
+    cases = itertools.product(
+        ["all_reduce", "reduce_scatter", "all_gather"],
+        ["ring", "direct"],
+        ["pici", "coo", "dense", "auto"],
+        [torch.float32, torch.bfloat16, torch.float16],
+        [0.0, 0.5, 0.99, 1.0],
+        [1, 3],
+    )
+    for collective, algorithm, fmt, dtype, sparsity, channels in cases:
+        n = world * (3 * 4096 + 77)
+        g = torch.Generator(device=dev).manual_seed(int(sparsity * 100) + channels)
+        xs = torch.randn(world, n, device=dev, generator=g)
+        xs[torch.rand(world, n, device=dev, generator=g) < sparsity] = 0
+        xs = xs.to(dtype)
+        ref = xs.double().sum(0)
+        tol = 2 * world * EPS[dtype] * xs.double().abs().sum(0)
+        cfg = CollectiveConfig(format=fmt, algorithm=algorithm, channels=channels, ranks_per_node=2)
+        mine = xs[rank].clone()
+        if collective == "all_reduce":
+            out = mine
+            spccl_train.all_reduce(out, config=cfg)
+            ok = bool(((out.double() - ref).abs() <= tol).all())
+        elif collective == "reduce_scatter":
+            out = torch.empty(n // world, device=dev, dtype=dtype)
+            spccl_train.reduce_scatter_tensor(out, mine, config=cfg)
+            part = slice(rank * (n // world), (rank + 1) * (n // world))
+            ok = bool(((out.double() - ref[part]).abs() <= tol[part]).all()) and torch.equal(mine, xs[rank])
+        else:
+            out = torch.empty(world * n, device=dev, dtype=dtype)
+            spccl_train.all_gather_into_tensor(out, mine, config=cfg)
+            ok = torch.equal(out, xs.reshape(-1))
+        stats = last_stats()
+        if stats.decode_status is not None and int(stats.decode_status):
+            ok = False
+        if not ok:
+            failures.append(f"{collective} {algorithm} {fmt} {dtype} sparsity={sparsity} channels={channels}")
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join(failures))
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_collectives_over_nccl(tmp_path, monkeypatch):
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # NVLink multicast can take shared GPUs out of service
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    world = min(4, torch.cuda.device_count())
+    torch.multiprocessing.spawn(_rank, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world)
+    for rank in range(world):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "", f"rank {rank} failed"

@@ -1,0 +1,234 @@
+"""The cost model and the ``auto`` choice, without processes: hand-computed predictions and the
+rule that ``auto`` never picks what it predicts slower than dense."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spccl_train.collectives import ChunkLayout, CollectiveConfig, CostModel, Thresholds, Topology, choose
+from spccl_train.collectives.cost import CodecCost, LinkCost
+from spccl_train.collectives.plan import estimate_reduced_counts, plan_all_gather, plan_reduce_scatter
+from spccl_train.formats import TILE, Format, align16, pici_bytes
+
+F32 = torch.float32
+
+
+def _model(**over) -> CostModel:
+    """Round figures that make hand computation easy."""
+    fields = {
+        "intra": LinkCost(latency_s=1e-5, bandwidth=1e9),
+        "inter": LinkCost(latency_s=2e-5, bandwidth=1e8),
+        "pici": CodecCost(compress=1e10, decompress=2e10, accumulate=1e10, call_s=1e-6),
+        "coo": CodecCost(compress=5e9, decompress=1e10, accumulate=5e9, call_s=1e-6),
+        "reduce": 1e10,
+        "copy": 2e10,
+        "count": 1e10,
+        "exchange_s": 1e-4,
+    }
+    fields.update(over)
+    return CostModel(**fields)
+
+
+def _table(layout: ChunkLayout, density: float) -> list[list[int]]:
+    return [[round(density * p.numel) for chunk in layout.pieces for p in chunk] for _ in range(layout.world)]
+
+
+def test_link_cost_is_hockney():
+    link = LinkCost(latency_s=2e-6, bandwidth=25e9)
+    assert link.seconds(0) == 2e-6
+    assert math.isclose(link.seconds(25_000_000), 2e-6 + 1e-3)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: LinkCost(latency_s=-1.0, bandwidth=1.0), "latency_s=-1.0"),
+        (lambda: LinkCost(latency_s=0.0, bandwidth=0.0), "bandwidth=0.0"),
+        (lambda: LinkCost(latency_s=0.0, bandwidth=float("nan")), "bandwidth=nan"),
+        (lambda: CodecCost(compress=float("inf"), decompress=1, accumulate=1, call_s=0), "compress=inf"),
+        (lambda: _model(reduce=True), "reduce=True"),
+    ],
+)
+def test_bad_figures_raise(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_native_predictions_by_hand():
+    m = _model()
+    topo = Topology(4)
+    n = 4_000_000  # 16 MB fp32: 4 MB chunks
+    hop = 1e-5 + 4e6 / 1e9
+    # the exchange, and the count pass over what the rank holds (the all-gather input is a chunk)
+    plan_ag, plan_all = 1e-4 + 4e6 / 1e10, 1e-4 + 16e6 / 1e10
+    assert math.isclose(m.predict_native("all_gather", n, F32, topo), plan_ag + 3 * hop)
+    assert math.isclose(m.predict_native("reduce_scatter", n, F32, topo), plan_all + 3 * (hop + 4e6 / 1e10))
+    assert math.isclose(m.predict_native("all_reduce", n, F32, topo), plan_all + 3 * (hop + 4e6 / 1e10) + 3 * hop)
+    # two nodes: the ring runs at the network's speed
+    slow = 2e-5 + 4e6 / 1e8
+    assert math.isclose(m.predict_native("all_gather", n, F32, Topology(4, 2)), plan_ag + 3 * slow)
+    assert math.isclose(m.predict_native("all_reduce", n, F32, Topology(1)), plan_all)
+
+
+def test_planning_terms():
+    m = _model()
+    assert m.planning("all_reduce", 4000, F32, 4, exchanges=0) == 0.0
+    assert math.isclose(m.planning("all_reduce", 4000, F32, 4), 1e-4 + 16000 / 1e10)
+    # an all-reduce's second exchange counts its reduced chunk
+    assert math.isclose(m.planning("all_reduce", 4000, F32, 4, exchanges=2), 2e-4 + (16000 + 4000) / 1e10)
+    assert math.isclose(m.planning("all_gather", 4000, torch.bfloat16, 4), 1e-4 + 2000 / 1e10)
+
+
+def test_ring_all_gather_prediction_by_hand():
+    # 2 ranks, one Pici piece each way: encode, wire, decode; nothing else
+    m = _model()
+    layout = ChunkLayout.equal(2 * TILE, 2)
+    plan = plan_all_gather([[40], [40]], layout, F32, fmt="pici", algorithm="ring", threshold=0.1, topology=Topology(2))
+    size = pici_bytes(TILE, 40, F32)
+    dense = 4 * TILE
+    expected = 1e-4 + dense / 1e10 + (1e-5 + size / 1e9) + (1e-6 + dense / 1e10) + (1e-6 + dense / 2e10)
+    assert math.isclose(m.predict(plan), expected)
+
+
+def test_ring_reduce_scatter_prediction_by_hand():
+    # 3 ranks, dense: every step each rank sends one chunk and adds one
+    m = _model()
+    layout = ChunkLayout.equal(3 * 1000, 3)
+    plan = plan_reduce_scatter(
+        [[1000] * 3] * 3,
+        layout,
+        F32,
+        fmt="pici",
+        algorithm="ring",
+        thresholds=Thresholds().resolve("pici"),
+        topology=Topology(3),
+    )
+    assert plan.format_counts() == {Format.DENSE: 6}
+    step = 1e-5 + 4000 / 1e9 + 4000 / 1e10
+    assert math.isclose(m.predict(plan, exchanges=0), 2 * step)
+
+
+def test_direct_prediction_by_hand():
+    # direct all-gather of 2 ranks, padded route: encode once, one slot each way, decode
+    m = _model()
+    layout = ChunkLayout.equal(2 * TILE, 2)
+    plan = plan_all_gather(
+        [[40], [40]], layout, F32, fmt="pici", algorithm="direct", threshold=0.1, topology=Topology(2)
+    )
+    slot = align16(pici_bytes(TILE, 40, F32))
+    assert plan.steps[0].slot_bytes == slot
+    count = 4 * TILE / 1e10
+    expected = 1e-4 + count + (1e-6 + 4 * TILE / 1e10) + slot / 1e9 + 1e-5 + (1e-6 + 4 * TILE / 2e10)
+    assert math.isclose(m.predict(plan), expected)
+
+
+def test_defaults_per_device():
+    cpu, cuda = CostModel.default("cpu"), CostModel.default(torch.device("cuda"))
+    assert cuda.intra.bandwidth > cpu.intra.bandwidth and cuda.pici.compress > cpu.pici.compress
+    assert cpu.fingerprint() != cuda.fingerprint()
+    assert CostModel.default("cpu").fingerprint() == cpu.fingerprint()
+
+
+def _choose(collective, cfg, layout, table, model, rpn=None):
+    return choose(collective, cfg, table, layout, F32, Topology(layout.world, rpn), model)
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter", "all_reduce"])
+def test_auto_stays_dense_on_dense_data(collective):
+    layout = (
+        ChunkLayout.equal(4 * 64 * TILE, 4) if collective != "all_reduce" else ChunkLayout.aligned(4 * 64 * TILE, 4)
+    )
+    best, weighed = _choose(collective, CollectiveConfig(), layout, _table(layout, 1.0), _model())
+    assert best.algorithm == "native" and best.plan is None
+    assert set(weighed) == {"native/dense", "ring/pici", "direct/pici", "ring/coo", "direct/coo"}
+    assert weighed["native/dense"] == min(weighed.values())
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter", "all_reduce"])
+def test_auto_goes_sparse_on_sparse_data_over_slow_links(collective):
+    layout = (
+        ChunkLayout.equal(4 * 64 * TILE, 4) if collective != "all_reduce" else ChunkLayout.aligned(4 * 64 * TILE, 4)
+    )
+    best, weighed = _choose(collective, CollectiveConfig(), layout, _table(layout, 0.001), _model(), rpn=2)
+    assert best.algorithm in ("ring", "direct") and best.format in (Format.PICI, Format.COO)
+    assert best.predicted_s == min(weighed.values()) < weighed["native/dense"]
+    assert best.plan is not None and best.plan.bytes_sent() < best.plan.dense_bytes() / 10
+
+
+def test_fast_codecs_needed_to_leave_dense():
+    # the same sparse data, with codecs so slow that compression never pays
+    layout = ChunkLayout.aligned(4 * 64 * TILE, 4)
+    slow = CodecCost(compress=1e6, decompress=1e6, accumulate=1e6, call_s=1e-3)
+    best, _ = _choose("all_reduce", CollectiveConfig(), layout, _table(layout, 0.001), _model(pici=slow, coo=slow))
+    assert best.algorithm == "native"
+
+
+def test_candidates_follow_the_config():
+    layout = ChunkLayout.aligned(4 * TILE, 4)
+    table = _table(layout, 0.01)
+    model = _model()
+    _, weighed = _choose("all_reduce", CollectiveConfig(format="pici"), layout, table, model)
+    assert set(weighed) == {"ring/pici", "direct/pici"}  # a fixed format never falls back to native
+    _, weighed = _choose("all_reduce", CollectiveConfig(format="coo", algorithm="ring"), layout, table, model)
+    assert set(weighed) == {"ring/coo"}
+    best, weighed = _choose("all_reduce", CollectiveConfig(format="dense"), layout, table, model)
+    assert set(weighed) == {"native/dense"} and best.algorithm == "native"
+    best, weighed = _choose("all_reduce", CollectiveConfig(format="dense", algorithm="direct"), layout, table, model)
+    assert set(weighed) == {"direct/dense"} and best.plan.format_counts() == {Format.DENSE: 12}
+    _, weighed = _choose("all_gather", CollectiveConfig(algorithm="ring"), layout, table, model)
+    assert set(weighed) == {"native/dense", "ring/pici", "ring/coo"}
+
+
+def test_ties_go_to_dense():
+    # nothing to send and no latency: every candidate costs its exchange alone
+    instant = LinkCost(latency_s=0.0, bandwidth=1e9)
+    model = _model(intra=instant, inter=instant)
+    best, weighed = _choose("all_gather", CollectiveConfig(), ChunkLayout.equal(0, 2), [[0], [0]], model)
+    assert best.algorithm == "native" and len(set(weighed.values())) == 1
+
+
+def test_all_reduce_looks_ahead_at_its_gather_phase():
+    layout = ChunkLayout.aligned(4 * 16 * TILE, 4)
+    table = _table(layout, 0.01)
+    model = _model()
+    best, _ = _choose("all_reduce", CollectiveConfig(format="pici", algorithm="ring"), layout, table, model)
+    rs = plan_reduce_scatter(
+        table, layout, F32, fmt="pici", algorithm="ring", thresholds=Thresholds().resolve("pici"), topology=Topology(4)
+    )
+    ahead = plan_all_gather(
+        estimate_reduced_counts(table, layout),
+        layout,
+        F32,
+        fmt="pici",
+        algorithm="ring",
+        threshold=0.1,
+        topology=Topology(4),
+        measured=False,
+    )
+    assert math.isclose(best.predicted_s, model.predict(rs.then(ahead), exchanges=2))
+    assert not any(m.nnz_exact for m in ahead.messages())
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    collective=st.sampled_from(["all_gather", "reduce_scatter", "all_reduce"]),
+    world=st.integers(2, 6),
+    density=st.floats(0, 1),
+    bandwidth=st.floats(1e6, 1e12),
+    codec=st.floats(1e6, 1e12),
+    rpn=st.none() | st.integers(1, 3),
+    tiles=st.integers(1, 8),
+)
+def test_auto_never_predicts_slower_than_dense(collective, world, density, bandwidth, codec, rpn, tiles):
+    n = world * tiles * TILE
+    layout = ChunkLayout.aligned(n, world) if collective == "all_reduce" else ChunkLayout.equal(n, world)
+    rates = CodecCost(compress=codec, decompress=codec, accumulate=codec, call_s=1e-6)
+    model = _model(intra=LinkCost(latency_s=1e-6, bandwidth=bandwidth), pici=rates, coo=rates)
+    best, weighed = _choose(collective, CollectiveConfig(), layout, _table(layout, density), model, rpn)
+    assert best.predicted_s <= weighed["native/dense"]
+    assert best.predicted_s == min(weighed.values())
