@@ -1,0 +1,241 @@
+"""DDP communication hook: prune each gradient bucket with error feedback, all-reduce it sparsely.
+
+Example::
+
+    >>> model = DDP(model, bucket_cap_mb=spccl_train.ddp.RECOMMENDED_BUCKET_CAP_MB)
+    >>> state = spccl_train.ddp.SparseHookState(process_group=None, density=0.01)
+    >>> model.register_comm_hook(state, spccl_train.ddp.sparse_allreduce_hook)
+    >>> ...train...
+    >>> print(state.summary())
+
+The module avoids ``from __future__ import annotations``: DDP checks the hook's annotations
+at run time (``dist.GradBucket``, ``torch.futures.Future[torch.Tensor]``) and rejects strings.
+
+Bucket size: a sparse collective pays one planning exchange (a host synchronisation, tens of
+microseconds) per call and gains from volume, so large buckets win. DDP's default of 25 MB
+suits dense NCCL; with SpCCL use ``bucket_cap_mb=256`` (:data:`RECOMMENDED_BUCKET_CAP_MB`),
+fewer if you need more overlap of communication with the backward pass.
+"""
+
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+
+from .collectives import CollectiveConfig, all_reduce
+from .pruning import PruneConfig, Pruner, PruneResult
+
+__all__ = ["RECOMMENDED_BUCKET_CAP_MB", "SparseHookState", "HookSummary", "sparse_allreduce_hook"]
+
+RECOMMENDED_BUCKET_CAP_MB = 256
+"""DDP bucket size for sparse all-reduce: large messages amortise the per-call planning exchange."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HookSummary:
+    """Totals since the state was made (or :meth:`SparseHookState.reset_stats`)."""
+
+    iterations: int
+    """Iterations run, dense warm-up included."""
+    sparse_calls: int
+    """Buckets reduced through SpCCL."""
+    elements: int
+    """Gradient elements that went through SpCCL."""
+    kept: int
+    """Elements kept by pruning (all elements when pruning is off)."""
+    bytes_sent: int
+    """Bytes this rank sent in SpCCL calls."""
+    dense_bytes: int
+    """Bytes a dense ring all-reduce would have sent for the same calls."""
+    prune_seconds: float
+    """Time in pruning (device time on CUDA)."""
+    allreduce_seconds: float
+    """Time from issuing each sparse all-reduce to its completion."""
+
+    @property
+    def density(self) -> float:
+        """Achieved density: kept / elements."""
+        return self.kept / self.elements if self.elements else 0.0
+
+    @property
+    def bytes_ratio(self) -> float:
+        """Bytes sent over dense bytes (below 1 saves traffic)."""
+        return self.bytes_sent / self.dense_bytes if self.dense_bytes else 0.0
+
+
+class _Span:
+    """A start/stop pair on the device (CUDA events) or the host clock; read later."""
+
+    __slots__ = ("_cuda", "_start", "_end")
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+        self._end = None
+
+    def stop(self) -> "_Span":
+        if self._cuda:
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._end.record()
+        else:
+            self._end = time.perf_counter()
+        return self
+
+    def seconds(self) -> float:
+        if self._cuda:
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end) / 1e3
+        return self._end - self._start
+
+
+class SparseHookState:
+    """State of :func:`sparse_allreduce_hook`: configuration, per-bucket error buffers, statistics.
+
+    Args:
+        process_group: the group to reduce over (``None``: the default group). Not pickled.
+        density: fraction of each bucket kept by pruning (0.01 = 99% sparse).
+        sample_fraction: fraction of each bucket sampled to pick the pruning threshold.
+        decay: leak of the error feedback (0 drops what pruning removed; 1 keeps all of it).
+        error_dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` error buffers.
+        prune: ``False`` skips pruning: an exact sparse all-reduce of whatever the gradients hold.
+        format, algorithm: of the sparse all-reduce (see :class:`CollectiveConfig`); ignored when
+            ``collective_config`` is given.
+        collective_config: full control of the collective (thresholds, topology, channels).
+        dense_iterations: iterations reduced densely first. DDP rebuilds its buckets after the
+            first iteration, and error buffers are kept per bucket, so at least 1.
+        seed: base seed of the threshold sampling.
+    """
+
+    __slots__ = (
+        # user-tuned
+        "process_group",
+        "prune",
+        "pruner",
+        "collective_config",
+        "dense_iterations",
+        # internal
+        "iteration",
+        "error_buffers",
+        "last_prune",  # bucket index -> the latest PruneResult (threshold, kept)
+        # statistics
+        "_sparse_calls",
+        "_elements",
+        "_kept",
+        "_bytes_sent",
+        "_dense_bytes",
+        "_prune_spans",
+        "_allreduce_spans",
+    )
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        density: float = 0.01,
+        sample_fraction: float = 0.001,
+        decay: float = 0.9,
+        error_dtype: str = "float32",
+        prune: bool = True,
+        format: str = "auto",
+        algorithm: str = "auto",
+        collective_config: CollectiveConfig | None = None,
+        dense_iterations: int = 1,
+        seed: int = 0,
+    ) -> None:
+        if dense_iterations < 1:
+            raise ValueError(
+                f"dense_iterations={dense_iterations}: DDP rebuilds its buckets after the first iteration, "
+                "so reduce at least 1 iteration densely"
+            )
+        self.process_group = process_group
+        self.prune = prune
+        self.pruner = Pruner(
+            PruneConfig(density=density, sample_fraction=sample_fraction, decay=decay, error_dtype=error_dtype, seed=seed)
+        )
+        self.collective_config = collective_config or CollectiveConfig(format=format, algorithm=algorithm)
+        self.dense_iterations = dense_iterations
+        self.iteration = 0
+        self.error_buffers: dict[int, torch.Tensor] = {}
+        self.last_prune: dict[int, PruneResult] = {}
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Zero the statistics (not the error buffers)."""
+        self._sparse_calls = 0
+        self._elements = 0
+        self._kept: torch.Tensor | int = 0
+        self._bytes_sent = 0
+        self._dense_bytes = 0
+        self._prune_spans: list[_Span] = []
+        self._allreduce_spans: list[object] = []
+
+    def summary(self) -> HookSummary:
+        """Totals so far. Reads device timers and counters: call it off the hot path."""
+        return HookSummary(
+            iterations=self.iteration,
+            sparse_calls=self._sparse_calls,
+            elements=self._elements,
+            kept=int(self._kept),
+            bytes_sent=self._bytes_sent,
+            dense_bytes=self._dense_bytes,
+            prune_seconds=sum(span.seconds() for span in self._prune_spans),
+            allreduce_seconds=sum(stats.elapsed_s for stats in self._allreduce_spans),
+        )
+
+    def error_buffer(self, index: int, bucket_buffer: torch.Tensor) -> torch.Tensor:
+        """The error buffer of bucket ``index`` (made, or remade if the bucket changed shape)."""
+        error = self.error_buffers.get(index)
+        if error is None or error.shape != bucket_buffer.shape or error.device != bucket_buffer.device:
+            error = self.error_buffers[index] = self.pruner.new_error_buffer(bucket_buffer)
+        return error
+
+    def __getstate__(self) -> dict:
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in ("process_group",)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.process_group = None
+        for slot, value in state.items():
+            setattr(self, slot, value)
+
+
+def sparse_allreduce_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Prune ``bucket`` with error feedback, sum it over the group with SpCCL, and average it.
+
+    The first ``state.dense_iterations`` iterations use a dense ``torch.distributed.all_reduce``.
+
+    Returns:
+        A future holding the averaged bucket buffer, as DDP expects.
+    """
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    buffer = bucket.buffer()
+    iteration = state.iteration
+    dense = iteration < state.dense_iterations
+    if bucket.is_last():
+        state.iteration += 1
+    if dense:
+        future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+        return future.then(lambda fut: fut.value()[0].div_(world))
+    index = bucket.index()
+    if state.prune:
+        span = _Span(buffer.device)
+        result = state.pruner.prune(buffer, state.error_buffer(index, buffer), step=iteration, buffer=index)
+        state._prune_spans.append(span.stop())
+        state.last_prune[index] = result
+        state._kept = state._kept + result.kept
+    else:
+        state._kept = state._kept + buffer.numel()
+    work = all_reduce(buffer, group=group, async_op=True, config=state.collective_config)
+    stats = work.stats
+    state._sparse_calls += 1
+    state._elements += buffer.numel()
+    state._bytes_sent += stats.bytes_sent
+    state._dense_bytes += stats.dense_bytes
+    state._allreduce_spans.append(stats)
+    return work.get_future().then(lambda fut: fut.value()[0].div_(world))

@@ -1,0 +1,174 @@
+"""The DDP comm hook on CPU with gloo: exactness without pruning, error feedback, buckets, training.
+
+Ranks run in spawned process pools (``tests/_pool.py``) with a ``file://`` rendezvous.
+"""
+
+
+import os
+import pickle
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from _pool import pool_factory
+from spccl_train.ddp import HookSummary, SparseHookState, sparse_allreduce_hook
+
+SEED = int(os.environ.get("SPCCL_TEST_SEED", random.SystemRandom().randrange(2**31)))
+os.environ["SPCCL_TEST_SEED"] = str(SEED)
+
+
+@pytest.fixture(scope="module")
+def pools(tmp_path_factory):
+    yield from pool_factory(tmp_path_factory, f"SPCCL_TEST_SEED={SEED}")
+
+
+def _model(seed: int) -> nn.Module:
+    # Parameters of 136, 2700, 21070 and 213 elements: with a 0.03 MB bucket cap DDP makes buckets
+    # of 21283 and 2836 elements, uneven and one smaller than a Pici tile.
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 300), nn.ReLU(), nn.Linear(300, 70), nn.ReLU(), nn.Linear(70, 3)
+    )
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(SEED + 1000 * rank + step)
+    return torch.randn(32, 16, generator=g), torch.randn(32, 3, generator=g)
+
+
+# ----------------------------------------------------------------------------- jobs (run on every rank)
+
+
+def _job_matches_default_ddp(rank: int, world: int, steps: int) -> int:
+    reference = DDP(_model(SEED), bucket_cap_mb=0.03)
+    hooked = DDP(_model(SEED), bucket_cap_mb=0.03)
+    state = SparseHookState(prune=False, format="pici")
+    hooked.register_comm_hook(state, sparse_allreduce_hook)
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        for model in (reference, hooked):
+            model.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+        for a, b in zip(reference.parameters(), hooked.parameters(), strict=True):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
+    summary = state.summary()
+    assert summary.sparse_calls > 0 and summary.kept == summary.elements
+    return summary.sparse_calls
+
+
+def _job_error_feedback(rank: int, world: int, steps: int, decay: float) -> list[int]:
+    """Wraps the hook to check every bucket: the error buffer holds exactly what was dropped."""
+    model = DDP(_model(SEED), bucket_cap_mb=0.03)
+    state = SparseHookState(density=0.05, sample_fraction=0.2, decay=decay, format="pici")
+    sizes: list[int] = []
+
+    def checking_hook(state: SparseHookState, bucket: dist.GradBucket):
+        index, buffer = bucket.index(), bucket.buffer()
+        before = buffer.clone()
+        old = state.error_buffers.get(index)
+        error_before = old.clone() if old is not None and old.shape == buffer.shape else torch.zeros_like(buffer)
+        sparse = state.iteration >= state.dense_iterations
+        future = sparse_allreduce_hook(state, bucket)
+        if sparse:
+            v = before + error_before
+            keep = v.abs() >= state.last_prune[index].threshold
+            expected = torch.where(keep, torch.zeros_like(v), v * decay)
+            assert torch.equal(state.error_buffers[index], expected), f"bucket {index}: error buffer"
+            kept = int(state.last_prune[index].kept)
+            assert kept == int(keep.sum())
+            # What this rank contributed is exactly v where kept: gather everyone's and compare.
+            contributed = torch.where(keep, v, torch.zeros_like(v))
+            everyone = [torch.empty_like(contributed) for _ in range(dist.get_world_size())]
+            reduced = future.wait()
+            dist.all_gather(everyone, contributed)
+            torch.testing.assert_close(reduced, torch.stack(everyone).sum(0) / world, rtol=1e-5, atol=1e-7)
+            sizes.append(buffer.numel())
+        return future
+
+    model.register_comm_hook(state, checking_hook)
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        model.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+    return sizes
+
+
+def _job_train(rank: int, world: int, mode: str, steps: int) -> float:
+    """Train a small MLP to imitate a fixed teacher; return the mean loss of the last 25 steps.
+
+    Pruning takes the torch reference here (the Triton kernels, slow in the interpreter, are
+    covered by tests/test_pruning.py and the error-feedback test above).
+    """
+    interpret = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        return _train(rank, mode, steps)
+    finally:
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret
+
+
+def _train(rank: int, mode: str, steps: int) -> float:
+    torch.manual_seed(1234)
+    teacher = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1))
+    model = DDP(nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 1)))
+    if mode != "dense":
+        decay = 1.0 if mode == "error_feedback" else 0.0
+        state = SparseHookState(density=0.01, sample_fraction=0.05, decay=decay, format="pici", seed=rank)
+        model.register_comm_hook(state, sparse_allreduce_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(77 + rank)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(64, 32, generator=g)
+        with torch.no_grad():
+            y = teacher(x)
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    return sum(losses[-25:]) / 25
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_without_pruning_gradients_equal_default_ddp(pools, world):
+    calls = pools(world).run(_job_matches_default_ddp, 4)
+    assert min(calls) > 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_error_feedback_holds_exactly_what_was_dropped(pools, world):
+    sizes = pools(world).run(_job_error_feedback, 4, 0.7)[0]
+    assert len(set(sizes)) >= 2, f"expected buckets of uneven size, got {sorted(set(sizes))}"
+    assert min(sizes) < 4096, "expected a bucket smaller than one Pici tile"
+
+
+def test_pruned_training_tracks_dense_with_error_feedback(pools):
+    """300 steps at 99% sparsity: error feedback ends within 10% of dense; without it, further."""
+    pool = pools(2)
+    dense = pool.run(_job_train, "dense", 300)[0]
+    with_ef = pool.run(_job_train, "error_feedback", 300)[0]
+    without_ef = pool.run(_job_train, "no_error_feedback", 300)[0]
+    gap_ef = abs(with_ef - dense) / dense
+    gap_plain = abs(without_ef - dense) / dense
+    print(f"final losses: dense {dense:.4g}, error feedback {with_ef:.4g}, none {without_ef:.4g}")
+    assert gap_ef <= 0.10, f"dense {dense:.4g}, with error feedback {with_ef:.4g} ({gap_ef:.1%} apart)"
+    assert gap_plain > gap_ef, f"without error feedback {without_ef:.4g} should lag more than {with_ef:.4g}"
+
+
+def test_state_validates_and_pickles_without_its_group():
+    with pytest.raises(ValueError, match="dense_iterations"):
+        SparseHookState(dense_iterations=0)
+    with pytest.raises(ValueError, match="density"):
+        SparseHookState(density=2.0)
+    state = SparseHookState(process_group=object(), density=0.02)
+    copy = pickle.loads(pickle.dumps(state))
+    assert copy.process_group is None and copy.pruner.config.density == 0.02
+    assert isinstance(copy.summary(), HookSummary)
