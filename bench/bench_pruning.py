@@ -54,6 +54,13 @@ def _time_ms(fn, reps: int, cuda: bool) -> float:
     return times[len(times) // 2]
 
 
+def _copy_gbps(n: int, device: str, reps: int, cuda: bool) -> float:
+    """Device-to-device copy bandwidth of n fp32 elements, counting bytes read and written."""
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    return 2 * n * 4 / _time_ms(lambda: dst.copy_(src), reps, cuda) / 1e6
+
+
 def _commit() -> str:
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
@@ -74,11 +81,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if cuda else "cpu"
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
 
-    src = torch.randn(n, device=device)
-    dst = torch.empty_like(src)
-    copy_ms = _time_ms(lambda: dst.copy_(src), args.reps, cuda)
-    copy_gbps = 2 * src.numel() * 4 / copy_ms / 1e6
-    del src, dst
+    copy_gbps = _copy_gbps(n, device, args.reps, cuda)
     print(f"device: {name}   torch {torch.__version__}   commit {_commit()}   {stamp}")
     print(f"copy bandwidth (read + write): {copy_gbps:.0f} GB/s; {n} elements per gradient\n")
     print(f"{'grad':>5} {'error':>5} {'prune ms':>9} {'GB/s':>7} {'/copy':>6} {'sample ms':>10} {'sample/prune':>13} {'density':>8}")
@@ -109,7 +112,6 @@ def main() -> None:
             f"{grad_name:>5} {error_name:>5} {prune_ms:>9.3f} {gbps:>7.0f} {gbps / copy_gbps:>6.2f} "
             f"{sample_ms:>10.3f} {sample_ms / prune_ms:>13.1%} {kept / n:>8.4f}"
         )
-        del grad, error
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     slug = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")

@@ -19,11 +19,11 @@ fewer if you need more overlap of communication with the backward pass.
 
 
 import dataclasses
-import time
 
 import torch
 import torch.distributed as dist
 
+from ._timing import Span
 from .collectives import CollectiveConfig, all_reduce
 from .pruning import PruneConfig, Pruner, PruneResult
 
@@ -63,35 +63,6 @@ class HookSummary:
     def bytes_ratio(self) -> float:
         """Bytes sent over dense bytes (below 1 saves traffic)."""
         return self.bytes_sent / self.dense_bytes if self.dense_bytes else 0.0
-
-
-class _Span:
-    """A start/stop pair on the device (CUDA events) or the host clock; read later."""
-
-    __slots__ = ("_cuda", "_start", "_end")
-
-    def __init__(self, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
-        if self._cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._start = time.perf_counter()
-        self._end = None
-
-    def stop(self) -> "_Span":
-        if self._cuda:
-            self._end = torch.cuda.Event(enable_timing=True)
-            self._end.record()
-        else:
-            self._end = time.perf_counter()
-        return self
-
-    def seconds(self) -> float:
-        if self._cuda:
-            self._end.synchronize()
-            return self._start.elapsed_time(self._end) / 1e3
-        return self._end - self._start
 
 
 class SparseHookState:
@@ -172,7 +143,7 @@ class SparseHookState:
         self._kept: torch.Tensor | int = 0
         self._bytes_sent = 0
         self._dense_bytes = 0
-        self._prune_spans: list[_Span] = []
+        self._prune_spans: list[Span] = []
         self._allreduce_spans: list[object] = []
 
     def summary(self) -> HookSummary:
@@ -224,9 +195,10 @@ def sparse_allreduce_hook(state: SparseHookState, bucket: dist.GradBucket) -> to
         return future.then(lambda fut: fut.value()[0].div_(world))
     index = bucket.index()
     if state.prune:
-        span = _Span(buffer.device)
+        span = Span(buffer.device)
         result = state.pruner.prune(buffer, state.error_buffer(index, buffer), step=iteration, buffer=index)
-        state._prune_spans.append(span.stop())
+        span.stop()
+        state._prune_spans.append(span)
         state.last_prune[index] = result
         state._kept = state._kept + result.kept
     else:

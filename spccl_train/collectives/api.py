@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 
 import torch
 import torch.distributed as dist
 
+from .._timing import Span
 from ..formats import MAX_ELEMENTS, SUPPORTED_DTYPES, Format
 from ..transport import P2PTransport
 from ._direct import direct_all_gather, direct_reduce_scatter
@@ -69,41 +69,12 @@ class CollectiveStats:
     """Bytes this rank would have sent with a dense ring."""
     decode_status: torch.Tensor | None
     """OR of every decoder status on this rank, on the device (0: all payloads were intact)."""
-    _timer: _Timer
+    _timer: Span
 
     @property
     def elapsed_s(self) -> float:
         """Measured seconds from the call to the end of its work (on CUDA this waits for the work)."""
         return self._timer.seconds()
-
-
-class _Timer:
-    __slots__ = ("_cuda", "_start", "_end")
-
-    def __init__(self, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
-        if self._cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._start = time.perf_counter()
-        self._end = None
-
-    def stop(self) -> torch.cuda.Event | None:
-        if self._cuda:
-            self._end = torch.cuda.Event(enable_timing=True)
-            self._end.record()
-            return self._end
-        self._end = time.perf_counter()
-        return None
-
-    def seconds(self) -> float:
-        if self._end is None:
-            raise RuntimeError("the collective has not finished being issued")
-        if self._cuda:
-            self._end.synchronize()
-            return self._start.elapsed_time(self._end) / 1e3
-        return self._end - self._start
 
 
 class CollectiveWork:
@@ -319,7 +290,7 @@ def _run(
     collective: str, transport: P2PTransport, config: CollectiveConfig, inp: torch.Tensor, out: torch.Tensor
 ) -> tuple[CollectiveStats, torch.cuda.Event | None]:
     p, r = transport.world, transport.rank
-    timer = _Timer(inp.device)
+    timer = Span(inp.device)
     problems, aliased = _local_problems(collective, inp, out, transport)
     layout = None
     if not problems:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import TILE, TILE_ROWS, coo_layout, element_size, num_tiles, pici_layout
+from .layout import TILE, TILE_ROWS, coo_layout, element_size, pici_layout
 
 __all__ = [
     "CorruptPayloadError",
