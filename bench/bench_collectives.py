@@ -1,0 +1,1268 @@
+"""Sparse collectives against dense torch.distributed, nccl-tests style: time, algbw / busbw, speedups.
+
+Every point is one collective (all-reduce, all-gather, reduce-scatter) x method x dtype x input
+pattern x size x sparsity, timed on every rank of a torchrun job. Methods:
+
+- ``nccl``: the backend's dense collective (``torch.distributed``; NCCL on GPUs, gloo under
+  ``--smoke``), the baseline, measured in the same run on the same inputs;
+- ``naive_coo``: exact sparse collectives in plain torch, the baseline any design must beat
+  (``shared/design/GPU.md``). All-reduce: ``nonzero`` -> int32 indices + values, all-gather of
+  the counts (one host sync), all-gather of the indices and values padded to the largest count,
+  ``zero_`` + one ``index_add_`` per rank. All-gather: the same on each rank's input, each block
+  added at its rank's offset of the zeroed output. Reduce-scatter: ``nonzero`` of the input,
+  split by destination chunk, ``all_to_all_single`` of the counts (one host sync), then of the
+  indices and values, ``zero_`` + ``index_add_``;
+- ``<format>/<algorithm>``: ``spccl_train`` with ``CollectiveConfig(format, algorithm)``:
+  ``auto/auto`` (what a user gets), and ``pici``, ``coo``, ``auto`` each with ``ring`` and
+  ``direct``; ``--channels`` and ``--thresholds-sweep`` repeat them per channel count and
+  threshold scale.
+
+Sizes are those of the full tensor, the nccl-tests convention: for all-reduce the tensor
+(input = output); for all-gather the OUTPUT (each rank's input is size / world); for
+reduce-scatter the INPUT (each rank's output is size / world). algbw = size / time;
+busbw = algbw x 2(p-1)/p for all-reduce and algbw x (p-1)/p for all-gather and reduce-scatter
+(GB/s = 1e9 bytes/s). ``sparsity`` is in percent.
+
+Input patterns (values ``randn`` per rank; ``sparsity`` is each rank's fraction of zeros):
+``iid`` every element nonzero with probability 1 - sparsity, a distinct seed per rank (the
+paper's setting, pessimistic for fill-in); ``identical`` one support shared by all ranks
+(no fill-in); ``disjoint`` supports that never overlap (worst fill-in: each rank keeps a
+disjoint 1/world share of the positions when sparsity < 1 - 1/world, so its sparsity is then
+1 - 1/world); ``clustered`` i.i.d. blocks of ``--block`` elements, all nonzero or all zero,
+a distinct seed per rank. ``input_sparsity`` and ``output_sparsity`` record what was drawn and
+what the dense result holds.
+
+Timing: per point one verification call, ``--warmup`` untimed calls, then ``--iters`` timed
+calls (``--iters-large`` at >= 256 MiB), each after an untimed copy of the pristine input (an
+all-reduce works in place), a device sync and a barrier, and timed on the host up to a device
+sync (the calls synchronise the host once or twice themselves, so host time is what a caller
+waits). Reported: the median over iterations of the slowest rank's time. The counts shrink so
+that a point takes about ``--point-budget-s`` when its first call is slow. ``predicted_ms`` is
+the cost model's prediction for the plan that ran (for ``nccl``, the model's native-dense
+prediction from the ``auto/auto`` call); ``bytes_ratio`` is bytes sent over a dense ring's,
+summed over ranks. Memory per rank: the input, its working copy or the output, the reference
+and the tolerance (4 full-size buffers for a 1 GiB all-reduce), freed after each case.
+
+Verification of every point, on its first and last call, against the dense collective of the
+same inputs: all-gather bit for bit; all-reduce and reduce-scatter within 2 x world x unit
+roundoff x (sum over ranks of |x|) elementwise (both sides are sums of ``world`` terms in
+different orders), which also makes positions that are zero on every rank exactly zero; the
+decoders' status clean on every call; all-gather and reduce-scatter inputs unchanged. Any
+failure, or an exception on any rank, gives ``verified`` False (the point's ``error`` says why),
+the run goes on, and it exits with status 1. Status 3: every point passed but
+``--time-limit-s`` cut the run short. The default grid (486 points) is estimated at about 2
+minutes on 4 H200s after start-up, plus a minute or two when the kernels compile on first use.
+
+On the GPU machine (4 H200s; the default grid: fp32 i.i.d., 64 MiB / 256 MiB / 1 GiB,
+sparsity 0-99.9 %, every method)::
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+        torchrun --standalone --nproc-per-node=4 bench/bench_collectives.py --out-dir "$OUT"
+
+Add ``--patterns all`` for the structured patterns, ``--channels 1,2,4`` and
+``--thresholds-sweep`` for the sweeps. Here, to check the script (CPU, gloo, tiny sizes)::
+
+    torchrun --standalone --nproc-per-node=2 bench/bench_collectives.py --smoke --out-dir /tmp/x
+
+Writes ``collectives_<device>x<world>_<date>.csv`` and speedup heatmaps like the paper's
+(``..._<collective>_<pattern>_<dtype>.png``: rows sparsity, columns size, speedup over
+``nccl``, a panel per method; with a sweep also ``..._sweep.png``: rows the channel count and
+threshold scale, columns sparsity, at the largest size) into ``--out-dir``; only rank 0 writes
+and prints, and ends with issue 3's acceptance points. The commit is
+``git rev-parse --short HEAD``, else ``$SPCCL_GIT_COMMIT``, else ``unknown``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import math
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+# NVLink multicast can take the lent machines' GPUs out of service (shared/design/GPU.md).
+for _var, _value in (
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+):
+    os.environ.setdefault(_var, _value)
+
+_REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(_REPO))
+
+import spccl_train
+from spccl_train._ext import KernelsUnavailableError, load_kernels
+from spccl_train.collectives import DEFAULT_THRESHOLDS, CollectiveConfig, CollectiveStats, Thresholds, last_stats
+from spccl_train.formats import Format
+
+__all__ = ["main"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+_UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+_SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
+_PATTERNS = ("iid", "identical", "disjoint", "clustered")
+_SPCCL_METHODS = ("auto/auto", "pici/ring", "pici/direct", "coo/ring", "coo/direct", "auto/ring", "auto/direct")
+_METHODS = ("nccl", "naive_coo", *_SPCCL_METHODS)
+_DEFAULT_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5)
+_LARGE = 256 << 20
+_COMPARE_CHUNK = 1 << 26  # elements per slice when comparing, to bound the temporaries
+# Acceptance targets of issue 3 on 4 H200s, fp32 i.i.d.: (collective, size, sparsity, speedup over nccl).
+_TARGETS = (
+    ("all_reduce", 1 << 30, 99.0, 4.0),
+    ("all_reduce", 1 << 30, 95.0, 2.0),
+    ("all_gather", 1 << 30, 99.0, 4.0),
+    ("reduce_scatter", 1 << 30, 99.0, 3.0),
+    ("all_reduce", 256 << 20, 99.0, 2.5),
+)
+_AUTO_FLOOR = 0.95
+_AUTO_FLOOR_FROM = 64 << 20
+# torch renamed these (the old names warn on newer versions); the GPU machine's torch may predate the new ones.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Settings:
+    """What one run measures and how."""
+
+    collectives: list[str]
+    methods: list[str]
+    sizes: list[int]
+    sparsities: list[float]
+    patterns: list[str]
+    dtypes: list[str]
+    channels: list[int]
+    scales: list[float]
+    warmup: int
+    iters: int
+    iters_large: int
+    point_budget_s: float
+    time_limit_s: float
+    block: int
+    seed: int
+    ranks_per_node: int | None
+    out_dir: pathlib.Path
+    plot: bool
+    smoke: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Method:
+    """One way to run a collective: ``nccl``, ``naive_coo`` or a spccl config."""
+
+    name: str
+    fmt: str = ""
+    algorithm: str = ""
+    channels: int = 1
+    scale: float = 1.0
+    config: CollectiveConfig | None = None
+
+    @property
+    def label(self) -> str:
+        """The method with its channel count and threshold scale where they are not the defaults."""
+        extra = (f" ch{self.channels}" if self.channels != 1 else "") + (
+            f" th{self.scale:g}" if self.scale != 1 else ""
+        )
+        return self.name + extra
+
+
+@dataclasses.dataclass(slots=True)
+class _Case:
+    """The inputs of one (collective, dtype, pattern, size, sparsity) and the dense reference result."""
+
+    collective: str
+    dtype_name: str
+    dtype: torch.dtype
+    pattern: str
+    sparsity: float
+    size_bytes: int
+    x0: torch.Tensor
+    """This rank's pristine input (never handed to an in-place call)."""
+    fingerprint: int
+    """Sum of ``x0``'s bits, to check inputs that must stay unchanged."""
+    ref: torch.Tensor
+    """The dense collective's result on this rank."""
+    tol: torch.Tensor | None
+    """Elementwise float32 tolerance of sums (``None``: all-gather, exact)."""
+    work: torch.Tensor | None = None
+    """All-reduce: the in-place buffer, refilled from ``x0`` before every call."""
+    out: torch.Tensor | None = None
+    """All-gather / reduce-scatter: the output buffer."""
+    input_sparsity: float = 0.0
+    output_sparsity: float = 0.0
+
+    def result(self) -> torch.Tensor:
+        return self.work if self.collective == "all_reduce" else self.out
+
+
+@dataclasses.dataclass(slots=True)
+class _Row:
+    """One measured point."""
+
+    collective: str
+    method: str
+    fmt: str
+    algorithm: str
+    channels: int
+    threshold_scale: float
+    thresholds: str
+    dtype: str
+    pattern: str
+    size_bytes: int
+    sparsity: float
+    input_sparsity: float
+    output_sparsity: float
+    time_ms: float = math.nan
+    time_min_ms: float = math.nan
+    time_max_ms: float = math.nan
+    algbw: float = math.nan
+    busbw: float = math.nan
+    bytes_sent: int = 0
+    dense_bytes: int = 0
+    chosen: str = ""
+    message_formats: str = ""
+    predicted_ms: float | None = None
+    native_predicted_ms: float | None = None
+    """The cost model's prediction for the native dense call (from ``auto`` configs; not written)."""
+    speedup_vs_nccl: float | None = None
+    speedup_vs_naive: float | None = None
+    warmup: int = 0
+    iters: int = 0
+    peak_mem_gib: float = 0.0
+    verified: bool = False
+    error: str = ""
+
+    @property
+    def bytes_ratio(self) -> float | None:
+        return self.bytes_sent / self.dense_bytes if self.dense_bytes else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Env:
+    """This process's place in the job."""
+
+    rank: int
+    world: int
+    device: torch.device
+    backend: str
+
+
+# ---------------------------------------------------------------------------------------
+# Arguments
+
+
+def _parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text, re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"size {text!r} is not like 64M, 256M or 1G (binary units)")
+    return int(match.group(1)) * _UNITS.get(match.group(2).upper(), 1)
+
+
+def _parse_sparsity(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"sparsity {text!r} is a percentage: give a number in [0, 100]")
+    return value
+
+
+def _parse_scale(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"threshold scale {text!r} must be positive (1 keeps the defaults)")
+    return value
+
+
+def _choice(options: tuple[str, ...], what: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        name = text.strip().lower()
+        if name not in options:
+            raise argparse.ArgumentTypeError(f"{what} {text!r} is not one of {', '.join(options)}")
+        return name
+
+    return parse
+
+
+def _list_of(parse: Callable[[str], object], every: tuple[str, ...] = ()) -> Callable[[str], list]:
+    def parse_list(text: str) -> list:
+        if every and text.strip().lower() == "all":
+            return list(every)
+        items = [parse(item) for item in text.split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("give at least one value")
+        return list(dict.fromkeys(items))
+
+    return parse_list
+
+
+def _settings(argv: list[str] | None) -> _Settings:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--collectives",
+        type=_list_of(_choice(_COLLECTIVES, "collective"), _COLLECTIVES),
+        default=list(_COLLECTIVES),
+        help="all_reduce,all_gather,reduce_scatter or all (default all)",
+    )
+    parser.add_argument(
+        "--methods",
+        type=_list_of(_choice(_METHODS, "method"), _METHODS),
+        default=list(_METHODS),
+        help=f"some of {','.join(_METHODS)}, or all (default all)",
+    )
+    parser.add_argument(
+        "--sizes", type=_list_of(_parse_size), help="full tensor sizes in bytes (default 64M,256M,1G; smoke 64K,256K)"
+    )
+    parser.add_argument(
+        "--sparsities", type=_list_of(_parse_sparsity), help="percent (default 0,50,90,95,99,99.9; smoke 0,90,99.9)"
+    )
+    parser.add_argument(
+        "--patterns",
+        type=_list_of(_choice(_PATTERNS, "pattern"), _PATTERNS),
+        help="iid,identical,disjoint,clustered or all (default iid; smoke all)",
+    )
+    parser.add_argument(
+        "--dtype",
+        type=_list_of(_choice(tuple(_DTYPES), "dtype")),
+        default=["fp32"],
+        help="fp32,bf16,fp16, one or several (default fp32)",
+    )
+    parser.add_argument(
+        "--channels",
+        type=_list_of(int),
+        default=[1],
+        help="pieces per chunk of the spccl calls, e.g. 1,2,4 (default 1)",
+    )
+    parser.add_argument(
+        "--thresholds-sweep",
+        type=_list_of(_parse_scale),
+        nargs="?",
+        const=list(_DEFAULT_SCALES),
+        default=[1.0],
+        metavar="SCALES",
+        help="run the pici and coo methods with their default thresholds (intra, inter, ag) times each scale, capped "
+        f"at 1 (default scale 1 only; the flag alone: {','.join(f'{s:g}' for s in _DEFAULT_SCALES)}); "
+        "auto methods keep the defaults",
+    )
+    parser.add_argument("--warmup", type=int, help="untimed calls after the verification call (default 2; smoke 0)")
+    parser.add_argument("--iters", type=int, help="timed calls below 256 MiB, median taken (default 10; smoke 2)")
+    parser.add_argument("--iters-large", type=int, help="timed calls at >= 256 MiB (default 5)")
+    parser.add_argument(
+        "--point-budget-s",
+        type=float,
+        default=2.0,
+        help="fewer warm-up and timed calls when the first call says a point would take longer (default 2 s)",
+    )
+    parser.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=0.0,
+        help="skip the remaining cases once the run has taken this long; 0: no limit (default)",
+    )
+    parser.add_argument("--block", type=int, default=4096, help="elements per block of the clustered pattern")
+    parser.add_argument("--seed", type=int, default=1234, help="base seed of the inputs")
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        help="CollectiveConfig.ranks_per_node (default $LOCAL_WORLD_SIZE, all ranks on one node without it)",
+    )
+    parser.add_argument(
+        "--out-dir", type=pathlib.Path, default=_REPO / "bench" / "results", help="where the CSV and PNGs go"
+    )
+    parser.add_argument("--no-plot", action="store_true", help="write no heatmaps")
+    parser.add_argument(
+        "--smoke", action="store_true", help="check the script on the CPU (gloo): tiny sizes, few iterations"
+    )
+    args = parser.parse_args(argv)
+    for name in ("warmup", "iters", "iters_large"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "warmup" else 1):
+            parser.error(f"--{name.replace('_', '-')} {value} is too small")
+    if any(not 1 <= c <= 64 for c in args.channels):
+        parser.error(f"--channels {args.channels}: each must be from 1 to 64")
+    if args.block < 1:
+        parser.error("--block must be positive")
+    smoke = args.smoke
+    iters = args.iters or (2 if smoke else 10)
+    rpn = args.ranks_per_node or (int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None)
+    return _Settings(
+        collectives=args.collectives,
+        methods=[m for m in _METHODS if m in args.methods],
+        sizes=sorted(args.sizes or ([64 << 10, 256 << 10] if smoke else [64 << 20, 256 << 20, 1 << 30])),
+        sparsities=args.sparsities or ([0.0, 90.0, 99.9] if smoke else [0.0, 50.0, 90.0, 95.0, 99.0, 99.9]),
+        patterns=args.patterns or (list(_PATTERNS) if smoke else ["iid"]),
+        dtypes=args.dtype,
+        channels=args.channels,
+        scales=args.thresholds_sweep,
+        warmup=args.warmup if args.warmup is not None else (0 if smoke else 2),
+        iters=iters,
+        iters_large=args.iters_large or (iters if smoke else 5),
+        point_budget_s=args.point_budget_s,
+        time_limit_s=args.time_limit_s,
+        block=args.block,
+        seed=args.seed,
+        ranks_per_node=rpn,
+        out_dir=args.out_dir,
+        plot=not args.no_plot,
+        smoke=smoke,
+    )
+
+
+def _methods(settings: _Settings) -> list[_Method]:
+    """The grid of methods: the baselines once, each spccl config per channel count and threshold scale."""
+    out = []
+    for name in settings.methods:
+        if name in ("nccl", "naive_coo"):
+            out.append(_Method(name))
+            continue
+        fmt, algorithm = name.split("/")
+        for channels in settings.channels:
+            for scale in [1.0] if fmt == "auto" else settings.scales:
+                if scale == 1.0:
+                    thresholds = Thresholds()
+                else:
+                    base = DEFAULT_THRESHOLDS[Format(fmt)]
+                    thresholds = Thresholds(
+                        intra=min(1.0, base.intra * scale),
+                        inter=min(1.0, base.inter * scale),
+                        ag=min(1.0, base.ag * scale),
+                    )
+                config = CollectiveConfig(
+                    format=fmt,
+                    algorithm=algorithm,
+                    thresholds=thresholds,
+                    ranks_per_node=settings.ranks_per_node,
+                    channels=channels,
+                )
+                out.append(_Method(name, fmt, algorithm, channels, scale, config))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# The job
+
+
+def _init(smoke: bool) -> _Env | None:
+    """Join the torchrun job: NCCL with one GPU per rank, or gloo on the CPU under ``--smoke``."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    if not smoke and torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=10))
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    return _Env(rank=dist.get_rank(), world=dist.get_world_size(), device=device, backend=dist.get_backend())
+
+
+def _sync(env: _Env) -> None:
+    if env.device.type == "cuda":
+        torch.cuda.synchronize(env.device)
+
+
+class _PeerFailed(Exception):
+    """Another rank failed the current point."""
+
+
+def _gate(env: _Env, failed: bool = False, value: float = 0.0) -> float:
+    """A barrier that also shares a failure flag and a value; returns the largest value over ranks.
+
+    Every rank passes the same gates per point; a rank that fails calls one gate with ``failed``,
+    which its peers meet at their next gate, where they raise :class:`_PeerFailed`, so that all
+    ranks reach the point's closing reduction together instead of waiting in mismatched calls.
+    """
+    _sync(env)
+    t = torch.tensor([1.0 if failed else 0.0, value], dtype=torch.float64, device=env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    flag, top = t.tolist()  # waits for every rank: the barrier
+    if flag and not failed:
+        raise _PeerFailed
+    return top
+
+
+def _reduce(env: _Env, values: list[float], op: dist.ReduceOp.RedOpType) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=env.device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def _free(env: _Env) -> None:
+    if env.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------
+# Inputs and the dense reference
+
+
+def _seed(*parts: object) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def _draw(
+    pattern: str, n: int, dtype: torch.dtype, sparsity: float, env: _Env, settings: _Settings, key
+) -> torch.Tensor:
+    """This rank's input: ``randn`` values on the support ``pattern`` gives (see the module docstring)."""
+    dev = env.device
+    own = torch.Generator(device=dev).manual_seed(_seed(settings.seed, key, "rank", env.rank))
+    shared = torch.Generator(device=dev).manual_seed(_seed(settings.seed, key, "shared"))
+    density = 1.0 - sparsity / 100
+    x = torch.randn(n, generator=own, dtype=dtype, device=dev)
+    if pattern == "iid":
+        keep = torch.rand(n, generator=own, device=dev) < density
+    elif pattern == "identical":
+        keep = torch.rand(n, generator=shared, device=dev) < density
+    elif pattern == "disjoint":
+        u = torch.rand(n, generator=shared, device=dev)
+        share = min(density, 1.0 / env.world)
+        keep = (u >= env.rank * share) & (u < (env.rank + 1) * share)
+        del u
+    else:
+        blocks = -(-n // settings.block)
+        keep = (torch.rand(blocks, generator=own, device=dev) < density).repeat_interleave(settings.block)[:n]
+    return x.masked_fill_(keep.logical_not_(), 0)
+
+
+def _bits_sum(x: torch.Tensor) -> int:
+    return int(x.view(_BITS[x.dtype]).sum(dtype=torch.int64))
+
+
+def _make_case(
+    collective: str, dtype_name: str, pattern: str, size: int, sparsity: float, env: _Env, settings: _Settings
+) -> _Case:
+    """Draw the inputs, run the dense collective once for the reference, and the abs-sum for the tolerance."""
+    p = env.world
+    dtype = _DTYPES[dtype_name]
+    esize = torch.empty((), dtype=dtype).element_size()
+    full = max(p, size // esize // p * p)
+    n_in = full // p if collective == "all_gather" else full
+    key = (collective, dtype_name, pattern, size, sparsity)
+    x0 = _draw(pattern, n_in, dtype, sparsity, env, settings, key)
+    tol = None
+    if collective == "all_reduce":
+        ref = x0.clone()
+        dist.all_reduce(ref)
+        tol = x0.abs().float()
+        dist.all_reduce(tol)
+    elif collective == "reduce_scatter":
+        ref = torch.empty(full // p, dtype=dtype, device=env.device)
+        _reduce_scatter_flat(ref, x0)
+        absolute = x0.abs().float()
+        tol = torch.empty(full // p, dtype=torch.float32, device=env.device)
+        _reduce_scatter_flat(tol, absolute)
+        del absolute
+    else:
+        ref = torch.empty(full, dtype=dtype, device=env.device)
+        _all_gather_flat(ref, x0)
+    if tol is not None:
+        # Two sums of `world` terms in different orders differ by at most 2 (world - 1) u sum|x|.
+        tol.mul_(2 * p * _UNIT_ROUNDOFF[dtype])
+    zeros_in, zeros_out = _reduce(env, [float((x0 == 0).sum()), float((ref == 0).sum())], dist.ReduceOp.SUM)
+    case = _Case(
+        collective=collective,
+        dtype_name=dtype_name,
+        dtype=dtype,
+        pattern=pattern,
+        sparsity=sparsity,
+        size_bytes=full * esize,
+        x0=x0,
+        fingerprint=_bits_sum(x0),
+        ref=ref,
+        tol=tol,
+        input_sparsity=100 * zeros_in / (p * n_in),
+        output_sparsity=100 * zeros_out / (p * ref.numel()),
+    )
+    if collective == "all_reduce":
+        case.work = torch.empty_like(x0)
+    else:
+        case.out = torch.empty_like(ref)
+    return case
+
+
+def _matches(case: _Case) -> bool:
+    """The result equals the reference: bit for bit (all-gather) or within the per-element tolerance."""
+    got, ref = case.result(), case.ref
+    if case.tol is None:
+        return torch.equal(got, ref)
+    for start in range(0, got.numel(), _COMPARE_CHUNK):
+        part = slice(start, start + _COMPARE_CHUNK)
+        err = (got[part].float() - ref[part].float()).abs_()
+        if not bool((err <= case.tol[part]).all()):
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------
+# The naive plain-torch COO collectives
+
+
+def _coo(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = torch.nonzero(x).view(-1).to(torch.int32)
+    return idx, x.index_select(0, idx)
+
+
+def _padded_gather(
+    idx: torch.Tensor, vals: torch.Tensor, p: int
+) -> tuple[list[int], int, torch.Tensor, torch.Tensor] | None:
+    """All-gather the counts (one host sync), then indices and values padded to the largest count."""
+    count = torch.tensor([idx.numel()], dtype=torch.int64, device=idx.device)
+    counts_t = torch.empty(p, dtype=torch.int64, device=idx.device)
+    _all_gather_flat(counts_t, count)
+    counts = counts_t.tolist()
+    width = max(counts)
+    if width == 0:
+        return None
+    pad_idx = torch.zeros(width, dtype=torch.int32, device=idx.device)
+    pad_vals = torch.zeros(width, dtype=vals.dtype, device=vals.device)
+    pad_idx[: idx.numel()] = idx
+    pad_vals[: vals.numel()] = vals
+    all_idx = torch.empty(p * width, dtype=torch.int32, device=idx.device)
+    all_vals = torch.empty(p * width, dtype=vals.dtype, device=vals.device)
+    _all_gather_flat(all_idx, pad_idx)
+    _all_gather_flat(all_vals, pad_vals)
+    return counts, width, all_idx, all_vals
+
+
+def _naive_all_reduce(x: torch.Tensor, p: int) -> int:
+    """Exact sparse all-reduce in plain torch, in place; returns the bytes this rank sent."""
+    gathered = _padded_gather(*_coo(x), p)
+    x.zero_()
+    if gathered is None:
+        return 8 * (p - 1)
+    counts, width, all_idx, all_vals = gathered
+    for q, c in enumerate(counts):
+        x.index_add_(0, all_idx[q * width : q * width + c], all_vals[q * width : q * width + c])
+    return (p - 1) * (8 + width * (4 + x.element_size()))
+
+
+def _naive_all_gather(out: torch.Tensor, x: torch.Tensor, p: int) -> int:
+    """Exact sparse all-gather in plain torch; returns the bytes this rank sent."""
+    gathered = _padded_gather(*_coo(x), p)
+    out.zero_()
+    if gathered is None:
+        return 8 * (p - 1)
+    counts, width, all_idx, all_vals = gathered
+    rows = out.view(p, -1)
+    for q, c in enumerate(counts):
+        rows[q].index_add_(0, all_idx[q * width : q * width + c], all_vals[q * width : q * width + c])
+    return (p - 1) * (8 + width * (4 + x.element_size()))
+
+
+def _naive_reduce_scatter(out: torch.Tensor, x: torch.Tensor, p: int, rank: int) -> int:
+    """Exact sparse reduce-scatter in plain torch (COO per destination, all-to-all); returns bytes sent."""
+    m = out.numel()
+    idx = torch.nonzero(x).view(-1)
+    bounds = torch.arange(p + 1, device=x.device, dtype=torch.int64) * m
+    ends = torch.searchsorted(idx, bounds)
+    send = ends[1:] - ends[:-1]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    send_counts, recv_counts = send.tolist(), recv.tolist()
+    vals = x.index_select(0, idx)
+    local = torch.remainder(idx, m).to(torch.int32)
+    del idx
+    got_idx = torch.empty(sum(recv_counts), dtype=torch.int32, device=x.device)
+    got_vals = torch.empty(sum(recv_counts), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(got_idx, local, recv_counts, send_counts)
+    dist.all_to_all_single(got_vals, vals, recv_counts, send_counts)
+    out.zero_()
+    out.index_add_(0, got_idx, got_vals)
+    others = sum(c for d, c in enumerate(send_counts) if d != rank)
+    return 8 * (p - 1) + others * (4 + x.element_size())
+
+
+# ---------------------------------------------------------------------------------------
+# One point
+
+
+def _dense_bytes(collective: str, case: _Case, p: int) -> int:
+    """Bytes one rank sends in a dense ring (what nccl-tests' busbw counts)."""
+    chunk = case.size_bytes // p
+    return (p - 1) * chunk * (2 if collective == "all_reduce" else 1)
+
+
+def _call(method: _Method, case: _Case, env: _Env) -> tuple[CollectiveStats | None, int]:
+    """Run ``method`` once on the case's buffers; return the spccl stats (or None) and the naive bytes sent."""
+    p = env.world
+    coll = case.collective
+    if method.name == "nccl":
+        if coll == "all_reduce":
+            dist.all_reduce(case.work)
+        elif coll == "all_gather":
+            _all_gather_flat(case.out, case.x0)
+        else:
+            _reduce_scatter_flat(case.out, case.x0)
+        return None, 0
+    if method.name == "naive_coo":
+        if coll == "all_reduce":
+            return None, _naive_all_reduce(case.work, p)
+        if coll == "all_gather":
+            return None, _naive_all_gather(case.out, case.x0, p)
+        return None, _naive_reduce_scatter(case.out, case.x0, p, env.rank)
+    if coll == "all_reduce":
+        spccl_train.all_reduce(case.work, config=method.config)
+    elif coll == "all_gather":
+        spccl_train.all_gather_into_tensor(case.out, case.x0, config=method.config)
+    else:
+        spccl_train.reduce_scatter_tensor(case.out, case.x0, config=method.config)
+    return last_stats(), 0
+
+
+def _prepare(case: _Case, poison: bool) -> None:
+    if case.work is not None:
+        case.work.copy_(case.x0)
+    elif poison:
+        case.out.fill_(math.nan)
+
+
+def _timed_call(
+    method: _Method, case: _Case, env: _Env, poison: bool = False
+) -> tuple[float, CollectiveStats | None, int]:
+    _prepare(case, poison)
+    _gate(env)
+    start = time.perf_counter()
+    stats, sent = _call(method, case, env)
+    _sync(env)
+    return time.perf_counter() - start, stats, sent
+
+
+def _clean(stats: CollectiveStats | None) -> bool:
+    return stats is None or stats.decode_status is None or int(stats.decode_status.max()) == 0
+
+
+def _thresholds_text(method: _Method) -> str:
+    if method.config is None:
+        return ""
+    th = method.config.thresholds
+    if method.fmt == "auto" or (th.intra, th.inter, th.ag) == (None, None, None):
+        return "default"
+    return f"{th.intra:.3g}/{th.inter:.3g}/{th.ag:.3g}"
+
+
+def _measure(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _Row:
+    """Verify, warm up and time one method on one case; every number is agreed across ranks."""
+    row = _Row(
+        collective=case.collective,
+        method=method.name,
+        fmt=method.fmt,
+        algorithm=method.algorithm,
+        channels=method.channels,
+        threshold_scale=method.scale,
+        thresholds=_thresholds_text(method),
+        dtype=case.dtype_name,
+        pattern=case.pattern,
+        size_bytes=case.size_bytes,
+        sparsity=case.sparsity,
+        input_sparsity=case.input_sparsity,
+        output_sparsity=case.output_sparsity,
+    )
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
+    ok, error = True, ""
+    times: list[float] = []
+    warmup = iters = 0
+    sent = dense = 0
+    try:
+        first, stats, naive_sent = _timed_call(method, case, env, poison=True)
+        ok = _matches(case) and _clean(stats)
+        if stats is not None:
+            sent, dense = stats.bytes_sent, stats.dense_bytes
+            row.predicted_ms = 1e3 * stats.predicted_s
+            row.chosen = f"{stats.algorithm}/{stats.format.value}"
+            if stats.plan is not None:
+                counts = stats.plan.format_counts()
+                row.message_formats = " ".join(f"{f.value}:{counts[f]}" for f in sorted(counts, key=lambda f: f.value))
+            native = stats.candidates.get("native/dense")
+            if native is not None:
+                row.native_predicted_ms = 1e3 * native
+        else:
+            sent = naive_sent if method.name == "naive_coo" else _dense_bytes(case.collective, case, env.world)
+            dense = _dense_bytes(case.collective, case, env.world)
+            row.chosen = "native/dense" if method.name == "nccl" else "naive/coo"
+        # Size the rest of the point by the first warm-up call where there is one: the first call of a
+        # method may include one-time setup (NCCL creates its point-to-point communicators lazily).
+        estimate, warmup = first, 0
+        if settings.warmup:
+            estimate, _, _ = _timed_call(method, case, env)
+            warmup = 1
+        estimate = _gate(env, value=estimate)
+        want = settings.iters_large if case.size_bytes >= _LARGE else settings.iters
+        left = int(settings.point_budget_s / max(estimate, 1e-9)) - 1 - warmup
+        iters = max(1, min(want, left))
+        more = max(0, min(settings.warmup - warmup, left - iters))
+        for _ in range(more):
+            _timed_call(method, case, env)
+        warmup += more
+        for _ in range(iters):
+            seconds, stats, _ = _timed_call(method, case, env)
+            times.append(seconds)
+            ok = ok and _clean(stats)
+        ok = ok and _matches(case)
+        if case.collective != "all_reduce":
+            ok = ok and _bits_sum(case.x0) == case.fingerprint
+        _gate(env)
+    except _PeerFailed:
+        ok, error = False, "failed on another rank"
+    except Exception as exc:  # noqa: BLE001 (record the failure in the table and go on with the next point)
+        ok, error = False, f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300]
+        print(f"rank {env.rank}: {case.collective} {method.label} failed: {error}", file=sys.stderr, flush=True)
+        _gate(env, failed=True)
+    peak = torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else 0.0
+    # A fixed length on every rank, even one that failed part way.
+    cap = max(settings.iters, settings.iters_large)
+    padded = times[:cap] + [0.0] * (cap - len(times))
+    agreed = _reduce(env, [*padded, float(len(times)), 0.0 if ok else 1.0, peak], dist.ReduceOp.MAX)
+    totals = _reduce(env, [float(sent), float(dense)], dist.ReduceOp.SUM)
+    failed = agreed[cap + 1] != 0.0
+    per_iter = [1e3 * t for t in agreed[: int(agreed[cap])]]
+    if per_iter and not failed:
+        row.time_ms = statistics.median(per_iter)
+        row.time_min_ms, row.time_max_ms = min(per_iter), max(per_iter)
+    row.verified = not failed
+    row.peak_mem_gib = agreed[cap + 2]
+    row.bytes_sent, row.dense_bytes = int(totals[0]), int(totals[1])
+    row.warmup, row.iters = warmup, iters
+    if error:
+        row.error = error
+    seconds = row.time_ms / 1e3
+    row.algbw = case.size_bytes / seconds / 1e9 if seconds > 0 else math.nan
+    factor = 2 * (env.world - 1) / env.world if case.collective == "all_reduce" else (env.world - 1) / env.world
+    row.busbw = row.algbw * factor
+    return row
+
+
+def _run_case(case: _Case, methods: list[_Method], env: _Env, settings: _Settings, on_row: Callable[[_Row], None]):
+    rows: list[_Row] = []
+    base: dict[str, _Row] = {}
+    for method in methods:
+        row = _measure(method, case, env, settings)
+        if "nccl" in base and base["nccl"].predicted_ms is None:
+            base["nccl"].predicted_ms = row.native_predicted_ms
+        if method.name in ("nccl", "naive_coo"):
+            base[method.name] = row
+        for name, attr in (("nccl", "speedup_vs_nccl"), ("naive_coo", "speedup_vs_naive")):
+            if name in base and method.name != name and base[name].verified and row.verified:
+                setattr(row, attr, base[name].time_ms / row.time_ms)
+        rows.append(row)
+        on_row(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------
+# Reporting
+
+
+def _git_commit() -> str:
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], check=False, cwd=_REPO, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        done = None
+    if done is not None and done.returncode == 0 and done.stdout.strip():
+        return done.stdout.strip()
+    return os.environ.get("SPCCL_GIT_COMMIT", "unknown")
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
+
+
+def _size_label(nbytes: int) -> str:
+    """``64M``, ``1G``; sizes cut to a multiple of the world size read as ``~1024K``."""
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale:
+            return f"~{nbytes / scale:.4g}{unit}"
+    return str(nbytes)
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _gbps(value: float) -> str:
+    return "nan" if math.isnan(value) else (f"{value:.0f}" if value >= 10 else f"{value:.2f}")
+
+
+_TABLE = "{:<3} {:>6} {:>6} {:<9} {:<4} {:<16} {:>10} {:>7} {:>7} {:>7} {:<13} {:>8} {:>8} {:>9} {:>3}"
+_HEADER = _TABLE.format(
+    "op", "size", "spars%", "pattern", "type", "method", "time_ms", "algbw", "busbw", "bytes%", "chosen",
+    "vs_nccl", "vs_naive", "pred_ms", "ok",
+)  # fmt: skip
+
+
+def _line(r: _Row) -> str:
+    ratio = r.bytes_ratio
+    return _TABLE.format(
+        _SHORT[r.collective],
+        _size_label(r.size_bytes),
+        f"{r.sparsity:g}",
+        r.pattern,
+        r.dtype,
+        _Method(r.method, channels=r.channels, scale=r.threshold_scale).label,
+        f"{r.time_ms:.3f}",
+        _gbps(r.algbw),
+        _gbps(r.busbw),
+        "-" if ratio is None else f"{100 * ratio:.1f}",
+        r.chosen,
+        _x(r.speedup_vs_nccl),
+        _x(r.speedup_vs_naive),
+        "-" if r.predicted_ms is None else f"{r.predicted_ms:.3f}",
+        "ok" if r.verified else "BAD",
+    )
+
+
+_FIELDS = [
+    "date", "device", "torch", "commit", "world_size", "ranks_per_node", "backend", "collective", "method", "format",
+    "algorithm", "channels", "threshold_scale", "thresholds", "dtype", "pattern", "size_bytes", "sparsity",
+    "input_sparsity", "output_sparsity", "time_ms", "time_min_ms", "time_max_ms", "algbw_GBps", "busbw_GBps",
+    "bytes_sent", "dense_bytes", "bytes_ratio", "chosen", "message_formats", "speedup_vs_nccl", "speedup_vs_naive",
+    "predicted_ms", "warmup", "iters", "peak_mem_GiB", "verified", "error",
+]  # fmt: skip
+
+
+def _write_csv(rows: list[_Row], path: pathlib.Path, meta: dict[str, object]) -> None:
+    def opt(value: float | None, digits: int) -> str:
+        return "" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=_FIELDS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow(
+                {
+                    **meta,
+                    "collective": r.collective,
+                    "method": r.method,
+                    "format": r.fmt,
+                    "algorithm": r.algorithm,
+                    "channels": r.channels,
+                    "threshold_scale": r.threshold_scale,
+                    "thresholds": r.thresholds,
+                    "dtype": r.dtype,
+                    "pattern": r.pattern,
+                    "size_bytes": r.size_bytes,
+                    "sparsity": r.sparsity,
+                    "input_sparsity": f"{r.input_sparsity:.4f}",
+                    "output_sparsity": f"{r.output_sparsity:.4f}",
+                    "time_ms": opt(r.time_ms, 6),
+                    "time_min_ms": opt(r.time_min_ms, 6),
+                    "time_max_ms": opt(r.time_max_ms, 6),
+                    "algbw_GBps": opt(r.algbw, 3),
+                    "busbw_GBps": opt(r.busbw, 3),
+                    "bytes_sent": r.bytes_sent,
+                    "dense_bytes": r.dense_bytes,
+                    "bytes_ratio": opt(r.bytes_ratio, 5),
+                    "chosen": r.chosen,
+                    "message_formats": r.message_formats,
+                    "speedup_vs_nccl": opt(r.speedup_vs_nccl, 4),
+                    "speedup_vs_naive": opt(r.speedup_vs_naive, 4),
+                    "predicted_ms": opt(r.predicted_ms, 6),
+                    "warmup": r.warmup,
+                    "iters": r.iters,
+                    "peak_mem_GiB": f"{r.peak_mem_gib:.3f}",
+                    "verified": r.verified,
+                    "error": r.error,
+                }
+            )
+
+
+def _plot(rows: list[_Row], stem: pathlib.Path, title: str) -> list[pathlib.Path]:
+    """Speedup heatmaps, one PNG per collective, pattern and dtype, a panel per method.
+
+    ``<stem>_<collective>_<pattern>_<dtype>.png``: rows sparsity, columns size, at the first
+    channel count and threshold scale 1 (the paper's figures). With a sweep also ``..._sweep.png``:
+    rows the (channels, threshold scale) variants, columns sparsity, at the largest size.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: F401 (checks that pyplot loads before any work)
+    except ImportError:
+        print("matplotlib is missing: no heatmaps", flush=True)
+        return []
+    speedups = [r for r in rows if r.method != "nccl"]
+    variants = list(dict.fromkeys((r.channels, r.threshold_scale) for r in speedups if r.method != "naive_coo"))
+    base = min(variants, key=lambda v: (v[1] != 1.0, v)) if variants else (1, 1.0)
+    written = []
+    for coll, pattern, dtype in dict.fromkeys((r.collective, r.pattern, r.dtype) for r in speedups):
+        picked = [r for r in speedups if (r.collective, r.pattern, r.dtype) == (coll, pattern, dtype)]
+        name = f"{stem.name}_{coll}_{pattern}_{dtype}"
+        panels: dict[str, dict[tuple, float | None]] = {}
+        for r in picked:
+            if r.method == "naive_coo" or (r.channels, r.threshold_scale) == base:
+                panels.setdefault(r.method, {})[(r.sparsity, r.size_bytes)] = r.speedup_vs_nccl
+        sparsities = sorted({r.sparsity for r in picked}, reverse=True)
+        sizes = sorted({r.size_bytes for r in picked})
+        variant = f", channels {base[0]}, threshold scale {base[1]:g}" if len(variants) > 1 else ""
+        path = stem.parent / f"{name}.png"
+        _heatmaps(
+            path,
+            panels,
+            (sparsities, [f"{s:g}%" for s in sparsities], "sparsity"),
+            (sizes, [_size_label(s) for s in sizes], "size"),
+            f"{coll} speedup over nccl, {pattern}, {dtype}{variant}\n{title}",
+        )
+        written.append(path)
+        if len(variants) > 1:
+            largest = sizes[-1]
+            panels = {}
+            for r in picked:
+                if r.method != "naive_coo" and r.size_bytes == largest:
+                    panels.setdefault(r.method, {})[((r.channels, r.threshold_scale), r.sparsity)] = r.speedup_vs_nccl
+            order = sorted(variants)
+            path = stem.parent / f"{name}_sweep.png"
+            _heatmaps(
+                path,
+                panels,
+                (order, [f"ch{c} th{t:g}" for c, t in order], "channels, threshold scale"),
+                (sparsities[::-1], [f"{s:g}%" for s in sparsities[::-1]], "sparsity"),
+                f"{coll} speedup over nccl at {_size_label(largest)}, {pattern}, {dtype}\n{title}",
+            )
+            written.append(path)
+    return written
+
+
+def _heatmaps(
+    path: pathlib.Path,
+    panels: dict[str, dict[tuple, float | None]],
+    rows: tuple[list, list[str], str],
+    cols: tuple[list, list[str], str],
+    title: str,
+) -> None:
+    """One heatmap per panel of speedups keyed ``(row key, column key)``, coloured on a log scale around 1x."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import TwoSlopeNorm
+
+    row_keys, row_labels, row_name = rows
+    col_keys, col_labels, col_name = cols
+    width = min(4, len(panels))
+    height = -(-len(panels) // width)
+    panel_w, panel_h = max(2.4, 0.8 * len(col_keys) + 0.8), max(1.8, 0.4 * len(row_keys) + 0.8)
+    fig, axes = plt.subplots(
+        height,
+        width,
+        figsize=(panel_w * width + 1.5, panel_h * height + 1.0),
+        squeeze=False,
+        sharex=True,
+        sharey=True,
+        layout="constrained",
+    )
+    values = [v for cells in panels.values() for v in cells.values() if v]
+    span = max([1.0] + [abs(math.log2(v)) for v in values])
+    norm = TwoSlopeNorm(vmin=-span, vcenter=0.0, vmax=span)
+    image = None
+    for ax, (method, cells) in zip(axes.flat, panels.items()):
+        grid = [[cells.get((rk, ck)) or math.nan for ck in col_keys] for rk in row_keys]
+        image = ax.imshow([[math.log2(v) for v in line] for line in grid], cmap="RdYlGn", norm=norm, aspect="auto")
+        for i, line in enumerate(grid):
+            for j, v in enumerate(line):
+                ax.text(j, i, "-" if math.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(col_keys)), col_labels)
+        ax.set_yticks(range(len(row_keys)), row_labels)
+        ax.set_title(method, fontsize=9)
+    for ax in axes.flat[len(panels) :]:
+        ax.axis("off")
+    for ax in axes[:, 0]:
+        ax.set_ylabel(row_name)
+    for ax in axes[-1, :]:
+        ax.set_xlabel(col_name)
+    if image is not None:
+        bar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8)
+        step = 1 if span <= 4 else 2
+        ticks = [t for t in range(-math.floor(span), math.floor(span) + 1) if t % step == 0]
+        bar.set_ticks(ticks, labels=[f"{2**t}x" if t >= 0 else f"1/{2**-t}x" for t in ticks])
+        bar.set_label("speedup over nccl (- : not verified or not run)")
+    fig.suptitle(title, fontsize=9)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _summary(rows: list[_Row], world: int) -> None:
+    """Issue 3's acceptance points (fp32 i.i.d.; meant for 4 H200s) and the verification count."""
+    base = [r for r in rows if r.dtype == "fp32" and r.pattern == "iid" and r.channels == 1 and r.threshold_scale == 1]
+    print(f"\nacceptance (fp32, iid, channels 1, default thresholds; targets are for 4 H200s, this run: {world} ranks)")
+    for coll, size, sparsity, target in _TARGETS:
+        at = [r for r in base if (r.collective, r.size_bytes, r.sparsity) == (coll, size, sparsity)]
+        auto = next((r for r in at if r.method == "auto/auto"), None)
+        spccl = [r for r in at if r.method not in ("nccl", "naive_coo") and r.speedup_vs_nccl]
+        if not spccl:
+            print(f"  {coll} {_size_label(size)} {sparsity:g}% >= {target:g}x: not in this run")
+            continue
+        best = max(spccl, key=lambda r: r.speedup_vs_nccl)
+        value = auto.speedup_vs_nccl if auto and auto.speedup_vs_nccl else None
+        verdict = "PASS" if value is not None and value >= target else "FAIL"
+        print(
+            f"  {coll} {_size_label(size)} {sparsity:g}% >= {target:g}x: auto/auto {_x(value)} {verdict}; "
+            f"best {best.method} {_x(best.speedup_vs_nccl)}"
+        )
+    autos = [r for r in base if r.method == "auto/auto" and r.size_bytes >= _AUTO_FLOOR_FROM]
+    if autos:
+        low = [r for r in autos if not r.speedup_vs_nccl or r.speedup_vs_nccl < _AUTO_FLOOR]
+        worst = min(autos, key=lambda r: r.speedup_vs_nccl or 0.0)
+        print(
+            f"  auto/auto >= {_AUTO_FLOOR}x nccl at every sparsity, sizes >= {_size_label(_AUTO_FLOOR_FROM)}: "
+            f"{'PASS' if not low else 'FAIL'} (worst {_x(worst.speedup_vs_nccl)} at {worst.collective} "
+            f"{_size_label(worst.size_bytes)} {worst.sparsity:g}%"
+            + (f"; {len(low)} of {len(autos)} points below" if low else "")
+            + ")"
+        )
+    bad = [r for r in rows if not r.verified]
+    print(
+        f"verification: {len(rows) - len(bad)} of {len(rows)} points match the dense result"
+        + (
+            "; FAILED: "
+            + ", ".join(
+                f"{_SHORT[r.collective]}/{_size_label(r.size_bytes)}/{r.sparsity:g}%/{r.pattern}/{r.dtype}/{r.method}"
+                for r in bad
+            )
+            if bad
+            else ""
+        ),
+        flush=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = _settings(argv)
+    env = _init(settings.smoke)
+    if env is None:
+        print(
+            "run under torchrun, e.g. torchrun --standalone --nproc-per-node=4 bench/bench_collectives.py "
+            "--out-dir DIR (add --smoke on a machine without GPUs)",
+            file=sys.stderr,
+        )
+        return 2
+    lead = env.rank == 0
+    try:
+        if env.device.type == "cuda":
+            try:
+                load_kernels()
+            except KernelsUnavailableError as exc:
+                if lead:
+                    print(f"the spccl CUDA kernels are not available ({exc}); use --smoke on the CPU", flush=True)
+                return 2
+        elif not settings.smoke and lead:
+            print("no GPU: running on the CPU with gloo and the reference codecs", flush=True)
+        return _main(settings, env)
+    finally:
+        dist.destroy_process_group()
+
+
+def _main(settings: _Settings, env: _Env) -> int:
+    lead = env.rank == 0
+    now = datetime.datetime.now()
+    device_name = _device_name(env.device)
+    meta = {
+        "date": now.isoformat(timespec="seconds"),
+        "device": device_name,
+        "torch": torch.__version__,
+        "commit": _git_commit(),
+        "world_size": env.world,
+        "ranks_per_node": settings.ranks_per_node or env.world,
+        "backend": env.backend,
+    }
+    stem = settings.out_dir / f"collectives_{_slug(device_name)}x{env.world}_{now.date().isoformat()}"
+    methods = _methods(settings)
+    cases = [
+        (dtype, pattern, coll, size, sparsity)
+        for dtype in settings.dtypes
+        for pattern in settings.patterns
+        for coll in settings.collectives
+        for size in settings.sizes
+        for sparsity in settings.sparsities
+    ]
+    if lead:
+        settings.out_dir.mkdir(parents=True, exist_ok=True)
+        print(
+            f"device: {device_name} x {env.world} ({env.backend}, ranks_per_node {meta['ranks_per_node']})   "
+            f"torch {meta['torch']}   commit {meta['commit']}   {meta['date']}"
+        )
+        print(
+            f"{len(cases)} cases x {len(methods)} methods; per point: 1 verification call, {settings.warmup} warm-up, "
+            f"median of {settings.iters} timed calls ({settings.iters_large} at >= {_size_label(_LARGE)}) of the "
+            f"slowest rank; barrier before each call; sizes: all-reduce tensor, all-gather output, reduce-scatter input"
+        )
+        print(_HEADER, flush=True)
+
+    def show(row: _Row) -> None:
+        if lead:
+            print(_line(row), flush=True)
+
+    started = time.perf_counter()
+    rows: list[_Row] = []
+    skipped = 0
+    for i, (dtype, pattern, coll, size, sparsity) in enumerate(cases):
+        late = settings.time_limit_s > 0 and time.perf_counter() - started > settings.time_limit_s
+        if _reduce(env, [1.0 if late else 0.0], dist.ReduceOp.MAX)[0]:
+            skipped = len(cases) - i
+            break
+        case = _make_case(coll, dtype, pattern, size, sparsity, env, settings)
+        rows += _run_case(case, methods, env, settings, show)
+        del case
+        _free(env)
+    elapsed = time.perf_counter() - started
+    status = 1 if not all(r.verified for r in rows) else 3 if skipped else 0
+    failure = None
+    if lead:
+        try:
+            _report(rows, settings, env, meta, stem, elapsed, skipped, len(cases))
+        except Exception as exc:  # noqa: BLE001 (raised below, once the other ranks are released)
+            failure = exc
+    _gate(env)  # torchrun stops every rank when one exits non-zero: wait until rank 0 has written the files
+    if failure is not None:
+        raise failure
+    return status
+
+
+def _report(
+    rows: list[_Row],
+    settings: _Settings,
+    env: _Env,
+    meta: dict[str, object],
+    stem: pathlib.Path,
+    elapsed: float,
+    skipped: int,
+    total: int,
+) -> None:
+    if skipped:
+        print(f"time limit ({settings.time_limit_s:g} s) reached: {skipped} of {total} cases skipped", flush=True)
+    csv_path = stem.with_suffix(".csv")
+    _write_csv(rows, csv_path, meta)
+    title = f"{meta['device']} x {env.world}, torch {meta['torch']}, commit {meta['commit']}, {meta['date']}"
+    pngs = _plot(rows, stem, title) if settings.plot and rows else []
+    print(f"\n{len(rows)} points in {elapsed:.1f} s; wrote {csv_path}" + "".join(f"\n  {p}" for p in pngs))
+    _summary(rows, env.world)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The collective benchmark's ``--smoke`` mode runs end to end under torchrun (2 gloo ranks on CPU).
+
+Checks the script, not speed (benchmarks assert no timings): every point of the smoke grid (all
+collectives, methods and input patterns) and of a small channel / threshold sweep in bf16 is
+verified against the dense collective, the CSV has the documented columns, and the heatmaps
+are written. ``torch.distributed.run --standalone`` picks a free port for the rendezvous.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench" / "bench_collectives.py"
+TIMEOUT_S = 240
+COLUMNS = {
+    "date", "device", "commit", "world_size", "collective", "method", "format", "algorithm", "dtype", "pattern",
+    "size_bytes", "sparsity", "time_ms", "algbw_GBps", "busbw_GBps", "bytes_ratio", "speedup_vs_nccl",
+    "speedup_vs_naive", "predicted_ms", "verified",
+}  # fmt: skip
+
+
+def _run(out_dir: pathlib.Path, *args: str) -> list[dict[str, str]]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(BENCH)]
+    done = subprocess.run(
+        [*cmd, "--smoke", "--out-dir", str(out_dir), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=env,
+        cwd=BENCH.parent.parent,
+    )
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-6000:]}\n{done.stderr[-6000:]}"
+    assert "verification:" in done.stdout, done.stdout[-3000:]
+    (path,) = out_dir.glob("collectives_cpux2_*.csv")
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_smoke_grid(tmp_path):
+    rows = _run(tmp_path)
+    assert rows and COLUMNS <= set(rows[0])
+    assert all(r["verified"] == "True" for r in rows), [r for r in rows if r["verified"] != "True"][:3]
+    assert {r["collective"] for r in rows} == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert {r["pattern"] for r in rows} == {"iid", "identical", "disjoint", "clustered"}
+    assert {"nccl", "naive_coo", "auto/auto", "pici/ring", "pici/direct", "coo/ring", "coo/direct"} <= {
+        r["method"] for r in rows
+    }
+    assert {r["world_size"] for r in rows} == {"2"}
+    for r in rows:
+        assert float(r["time_ms"]) > 0 and float(r["busbw_GBps"]) > 0, r
+        if r["method"] == "nccl":
+            assert r["speedup_vs_nccl"] == "" and float(r["bytes_ratio"]) == 1.0, r
+        else:
+            assert float(r["speedup_vs_nccl"]) > 0, r
+        if r["method"] not in ("nccl", "naive_coo"):
+            assert r["predicted_ms"] != "" and float(r["speedup_vs_naive"]) > 0, r
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert len(list(tmp_path.glob("collectives_cpux2_*_all_reduce_iid_fp32.png"))) == 1
+
+
+def test_sweeps_bf16(tmp_path):
+    rows = _run(
+        tmp_path,
+        *("--collectives", "all_reduce,reduce_scatter", "--patterns", "disjoint", "--sizes", "64K"),
+        *("--sparsities", "99", "--dtype", "bf16", "--methods", "nccl,auto/auto,pici/ring,coo/direct"),
+        *("--channels", "1,2", "--thresholds-sweep", "0.5,1", "--no-plot"),
+    )
+    assert rows and all(r["verified"] == "True" for r in rows)
+    pici = {(r["channels"], r["threshold_scale"]) for r in rows if r["method"] == "pici/ring"}
+    assert pici == {("1", "1.0"), ("1", "0.5"), ("2", "1.0"), ("2", "0.5")}
+    assert {(r["channels"], r["threshold_scale"]) for r in rows if r["method"] == "auto/auto"} == {
+        ("1", "1.0"),
+        ("2", "1.0"),
+    }
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_bad_argument_fails_before_joining_a_job():
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--smoke", "--methods", "pici/none"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "method 'pici/none' is not one of" in done.stderr, done.stderr
