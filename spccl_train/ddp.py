@@ -17,8 +17,9 @@ suits dense NCCL; with SpCCL use ``bucket_cap_mb=256`` (:data:`RECOMMENDED_BUCKE
 fewer if you need more overlap of communication with the backward pass.
 """
 
-
 import dataclasses
+import queue
+import threading
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,14 @@ from ._timing import Span
 from .collectives import CollectiveConfig, all_reduce
 from .pruning import PruneConfig, Pruner, PruneResult
 
-__all__ = ["RECOMMENDED_BUCKET_CAP_MB", "SparseHookState", "HookSummary", "sparse_allreduce_hook"]
+__all__ = [
+    "RECOMMENDED_BUCKET_CAP_MB",
+    "DenseHookState",
+    "HookSummary",
+    "SparseHookState",
+    "dense_allreduce_hook",
+    "sparse_allreduce_hook",
+]
 
 RECOMMENDED_BUCKET_CAP_MB = 256
 """DDP bucket size for sparse all-reduce: large messages amortise the per-call planning exchange."""
@@ -81,6 +89,9 @@ class SparseHookState:
         dense_iterations: iterations reduced densely first. DDP rebuilds its buckets after the
             first iteration, and error buffers are kept per bucket, so at least 1.
         seed: base seed of the threshold sampling.
+        overlap: run pruning and the sparse all-reduce on a background thread and CUDA stream,
+            so that their planning synchronisations block neither the backward pass nor the host
+            thread launching it. ``None`` (default): on for CUDA buckets, off on CPU.
     """
 
     __slots__ = (
@@ -90,8 +101,10 @@ class SparseHookState:
         "pruner",
         "collective_config",
         "dense_iterations",
+        "overlap",
         # internal
         "iteration",
+        "_reducer",
         "error_buffers",
         "last_prune",  # bucket index -> the latest PruneResult (threshold, kept)
         # statistics
@@ -118,6 +131,7 @@ class SparseHookState:
         collective_config: CollectiveConfig | None = None,
         dense_iterations: int = 1,
         seed: int = 0,
+        overlap: bool | None = None,
     ) -> None:
         if dense_iterations < 1:
             raise ValueError(
@@ -127,10 +141,14 @@ class SparseHookState:
         self.process_group = process_group
         self.prune = prune
         self.pruner = Pruner(
-            PruneConfig(density=density, sample_fraction=sample_fraction, decay=decay, error_dtype=error_dtype, seed=seed)
+            PruneConfig(
+                density=density, sample_fraction=sample_fraction, decay=decay, error_dtype=error_dtype, seed=seed
+            )
         )
         self.collective_config = collective_config or CollectiveConfig(format=format, algorithm=algorithm)
         self.dense_iterations = dense_iterations
+        self.overlap = overlap
+        self._reducer: _Reducer | None = None
         self.iteration = 0
         self.error_buffers: dict[int, torch.Tensor] = {}
         self.last_prune: dict[int, PruneResult] = {}
@@ -167,12 +185,71 @@ class SparseHookState:
         return error
 
     def __getstate__(self) -> dict:
-        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in ("process_group",)}
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in ("process_group", "_reducer")}
 
     def __setstate__(self, state: dict) -> None:
         self.process_group = None
+        self._reducer = None
         for slot, value in state.items():
             setattr(self, slot, value)
+
+
+class _Reducer:
+    """One background thread (and, on CUDA, one side stream) that runs bucket reductions in order.
+
+    Buckets are reduced in the order DDP hands them over, on every rank, so the collectives
+    pair up across ranks. The thread owns the host synchronisations of the sparse collectives'
+    planning; the backward pass goes on launching kernels meanwhile.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="spccl-ddp-reducer", daemon=True)
+        self.thread.start()
+
+    def submit(self, job, ready: torch.cuda.Event | None) -> torch.futures.Future:
+        future = torch.futures.Future(devices=[self.device] if self.stream is not None else None)
+        self.jobs.put((job, ready, future))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            job, ready, future = self.jobs.get()
+            try:
+                if self.stream is None:
+                    future.set_result(job())
+                    continue
+                with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                    self.stream.wait_event(ready)  # the bucket's gradients are complete
+                    result = job()
+                    future.set_result(result)  # records an event on the side stream for DDP to wait on
+            except BaseException as exc:  # noqa: BLE001 - handed to DDP, which raises it on its thread
+                future.set_exception(exc)
+
+
+def _reduce_sparse(
+    state: SparseHookState, buffer: torch.Tensor, index: int, iteration: int, group: dist.ProcessGroup, world: int
+) -> torch.Tensor:
+    if state.prune:
+        span = Span(buffer.device)
+        result = state.pruner.prune(buffer, state.error_buffer(index, buffer), step=iteration, buffer=index)
+        span.stop()
+        state._prune_spans.append(span)
+        state.last_prune[index] = result
+        state._kept = state._kept + result.kept
+    else:
+        state._kept = state._kept + buffer.numel()
+    work = all_reduce(buffer, group=group, async_op=True, config=state.collective_config)
+    stats = work.stats
+    state._sparse_calls += 1
+    state._elements += buffer.numel()
+    state._bytes_sent += stats.bytes_sent
+    state._dense_bytes += stats.dense_bytes
+    state._allreduce_spans.append(stats)
+    work.wait()
+    return buffer.div_(world)
 
 
 def sparse_allreduce_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -194,20 +271,78 @@ def sparse_allreduce_hook(state: SparseHookState, bucket: dist.GradBucket) -> to
         future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
         return future.then(lambda fut: fut.value()[0].div_(world))
     index = bucket.index()
-    if state.prune:
-        span = Span(buffer.device)
-        result = state.pruner.prune(buffer, state.error_buffer(index, buffer), step=iteration, buffer=index)
-        span.stop()
-        state._prune_spans.append(span)
-        state.last_prune[index] = result
-        state._kept = state._kept + result.kept
-    else:
-        state._kept = state._kept + buffer.numel()
-    work = all_reduce(buffer, group=group, async_op=True, config=state.collective_config)
-    stats = work.stats
-    state._sparse_calls += 1
+    overlap = state.overlap if state.overlap is not None else buffer.is_cuda
+    if not overlap:
+        future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+        future.set_result(_reduce_sparse(state, buffer, index, iteration, group, world))
+        return future
+    if state._reducer is None:
+        state._reducer = _Reducer(buffer.device)
+    ready = None
+    if buffer.is_cuda:
+        ready = torch.cuda.Event()
+        ready.record()
+    return state._reducer.submit(lambda: _reduce_sparse(state, buffer, index, iteration, group, world), ready)
+
+
+class DenseHookState:
+    """State of :func:`dense_allreduce_hook`: DDP's own dense all-reduce, timed like the sparse hook.
+
+    It is the baseline of a dense-vs-SpCCL comparison: the same statistics (:class:`HookSummary`,
+    with ``bytes_sent`` those of a dense ring) from the same timers.
+    """
+
+    __slots__ = ("process_group", "iteration", "_calls", "_elements", "_dense_bytes", "_spans")
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        self.process_group = process_group
+        self.iteration = 0
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Zero the statistics."""
+        self._calls = 0
+        self._elements = 0
+        self._dense_bytes = 0
+        self._spans: list[Span] = []
+
+    def summary(self) -> HookSummary:
+        """Totals so far. Reads device timers: call it off the hot path."""
+        return HookSummary(
+            iterations=self.iteration,
+            sparse_calls=0,
+            elements=self._elements,
+            kept=self._elements,
+            bytes_sent=self._dense_bytes,
+            dense_bytes=self._dense_bytes,
+            prune_seconds=0.0,
+            allreduce_seconds=sum(span.seconds() for span in self._spans),
+        )
+
+    def __getstate__(self) -> dict:
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot != "process_group"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.process_group = None
+        for slot, value in state.items():
+            setattr(self, slot, value)
+
+
+def dense_allreduce_hook(state: DenseHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's default all-reduce (sum, then average), timed from issue to completion."""
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    buffer = bucket.buffer()
+    if bucket.is_last():
+        state.iteration += 1
+    span = Span(buffer.device)
+    state._spans.append(span)
+    state._calls += 1
     state._elements += buffer.numel()
-    state._bytes_sent += stats.bytes_sent
-    state._dense_bytes += stats.dense_bytes
-    state._allreduce_spans.append(stats)
-    return work.get_future().then(lambda fut: fut.value()[0].div_(world))
+    state._dense_bytes += 2 * (world - 1) * -(-buffer.numel() // world) * buffer.element_size()
+
+    def finish(fut: torch.futures.Future) -> torch.Tensor:
+        span.stop()  # the callback's stream is ordered after the all-reduce
+        return fut.value()[0].div_(world)
+
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(finish)

@@ -3,7 +3,6 @@
 Ranks run in spawned process pools (``tests/_pool.py``) with a ``file://`` rendezvous.
 """
 
-
 import os
 import pickle
 import random
@@ -43,10 +42,10 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 # ----------------------------------------------------------------------------- jobs (run on every rank)
 
 
-def _job_matches_default_ddp(rank: int, world: int, steps: int) -> int:
+def _job_matches_default_ddp(rank: int, world: int, steps: int, overlap: bool | None = None) -> int:
     reference = DDP(_model(SEED), bucket_cap_mb=0.03)
     hooked = DDP(_model(SEED), bucket_cap_mb=0.03)
-    state = SparseHookState(prune=False, format="pici")
+    state = SparseHookState(prune=False, format="pici", overlap=overlap)
     hooked.register_comm_hook(state, sparse_allreduce_hook)
     for step in range(steps):
         x, y = _batch(rank, step)
@@ -140,6 +139,12 @@ def _train(rank: int, mode: str, steps: int) -> float:
 @pytest.mark.parametrize("world", [2, 4])
 def test_without_pruning_gradients_equal_default_ddp(pools, world):
     calls = pools(world).run(_job_matches_default_ddp, 4)
+    assert min(calls) > 0
+
+
+def test_background_reducer_gives_the_same_gradients(pools):
+    """``overlap=True`` (the CUDA default) reduces buckets in order on a background thread."""
+    calls = pools(2).run(_job_matches_default_ddp, 4, True)
     assert min(calls) > 0
 
 

@@ -1,0 +1,94 @@
+"""The ``spccl-train`` command.
+
+::
+
+    spccl-train [--config NAME_OR_PATH] [--use-spccl] [dotted.key=value ...]
+    spccl-train report RUN_DIR [RUN_DIR ...] [--out report.png]
+    spccl-train configs
+
+With no ``--config`` it runs ``tiny_cpu``: a tiny GPT-2 on CPU with 2 gloo ranks and SpCCL on.
+Under ``torchrun`` each process is one rank; otherwise ``dist.nproc_per_node`` ranks are spawned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+
+__all__ = ["main"]
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="spccl-train",
+        description="Train a GPT model with DDP, dense or with SpCCL sparse gradient all-reduce. "
+        "Subcommands: 'spccl-train report RUN_DIR...' compares finished runs; "
+        "'spccl-train configs' lists shipped configs.",
+    )
+    p.add_argument("--config", default=None, help="a YAML path or a shipped config name (default: tiny_cpu)")
+    p.add_argument("--use-spccl", action="store_true", help="reduce gradients with SpCCL (sets spccl.enabled=true)")
+    p.add_argument("--no-spccl", action="store_true", help="dense all-reduce (sets spccl.enabled=false)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.iterations=10")
+    return p
+
+
+def _report(argv: list[str]) -> int:
+    from .train.report import plot_runs, report_table
+
+    p = argparse.ArgumentParser(prog="spccl-train report", description="Compare finished runs.")
+    p.add_argument("runs", nargs="+", type=pathlib.Path, help="run folders (holding summary.json)")
+    p.add_argument(
+        "--out", type=pathlib.Path, default=None, help="PNG path (default: report.png in the first run folder)"
+    )
+    args = p.parse_args(argv)
+    try:
+        print(report_table(args.runs))
+        png = plot_runs(args.runs, args.out or args.runs[0] / "report.png")
+    except FileNotFoundError as exc:
+        print(f"spccl-train report: {exc}", file=sys.stderr)
+        return 2
+    print(f"plot: {png}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if argv[:1] == ["report"]:
+        return _report(argv[1:])
+    from .train.config import ConfigError, apply_overrides, find_config, load_config, shipped_configs
+
+    if argv[:1] == ["configs"]:
+        for name, path in shipped_configs().items():
+            print(f"{name:24s} {path}")
+        return 0
+    args = _train_parser().parse_args(argv)
+    if args.use_spccl and args.no_spccl:
+        print("spccl-train: --use-spccl and --no-spccl contradict each other", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.use_spccl or args.no_spccl:
+            cfg.spccl.enabled = bool(args.use_spccl)
+            apply_overrides(cfg, [])
+        name = find_config(args.config or "tiny_cpu").stem
+    except ConfigError as exc:
+        print(f"spccl-train: config error: {exc}", file=sys.stderr)
+        return 2
+    from .train.data import DataError
+    from .train.trainer import launch
+
+    try:
+        launch(cfg, name)
+    except DataError as exc:
+        print(f"spccl-train: data error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

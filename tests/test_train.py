@@ -1,0 +1,224 @@
+"""The training plugin on CPU: configs, offline data, the gloo DDP trainer, the report command."""
+
+import json
+import os
+import pathlib
+
+import pytest
+import torch
+
+from spccl_train import cli
+from spccl_train.train import config as C
+from spccl_train.train.data import DataError, TokenData, embedded_corpus, prepare_tokens
+from spccl_train.train.trainer import launch
+
+pytest.importorskip("transformers")
+pytest.importorskip("datasets")
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def test_every_shipped_config_loads_and_opens_with_its_command():
+    shipped = C.shipped_configs()
+    assert {"tiny_cpu", "gpt2_xl_dense", "gpt2_xl_spccl", "starcoder2_dense", "starcoder2_spccl"} <= set(shipped)
+    for name, path in shipped.items():
+        cfg = C.load_config(str(path))
+        assert cfg.spccl.enabled == (not name.endswith("_dense")), name
+        head = path.read_text().splitlines()[0]
+        assert head.startswith(f"# {name}:"), head
+        assert "spccl-train" in path.read_text() or "spccl_train.cli" in path.read_text()
+
+
+def test_default_is_tiny_cpu_with_spccl_on_two_gloo_ranks():
+    cfg = C.load_config(None)
+    assert (cfg.dist.nproc_per_node, cfg.dist.backend, cfg.train.device, cfg.spccl.enabled) == (2, "gloo", "cpu", True)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("bogus: 1\n", "unknown key 'bogus' in the config"),
+        ("model: {layers: 3}\n", "unknown key 'model.layers' in model: known keys are arch, n_layer"),
+        ("train: {iterations: ten}\n", "train.iterations='ten': expected an integer"),
+        ("train: {iterations: 0}\n", "train.iterations=0: must be >= 1"),
+        ("spccl: {format: zip}\n", "spccl.format='zip': expected one of auto, pici, coo, dense"),
+        ("spccl: {density: 0}\n", "spccl.density=0.0: must be > 0.0"),
+        ("spccl: {prune: 1}\n", "spccl.prune=1: expected true or false"),
+        ("model: 3\n", "model: expected a mapping"),
+        ("data: {seq_len: 4096}\n", "data.seq_len=4096 exceeds model.max_position=1024"),
+        ("train: {iterations: 10, warmup_iterations: 10}\n", "train.warmup_iterations=10 leaves no iteration"),
+        ("data: {paths: a.txt}\n", "data.paths='a.txt': expected a list of strings"),
+        ("- a\n- b\n", "expected a mapping at the top level"),
+    ],
+)
+def test_config_errors_name_the_key_and_the_fix(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(C.ConfigError) as err:
+        C.load_config(str(path))
+    assert message in str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_overrides_parse_yaml_values_and_reject_unknown_keys():
+    cfg = C.load_config("tiny_cpu", ["train.iterations=30", "spccl.enabled=false", "data.paths=[a.txt, b.txt]"])
+    assert (cfg.train.iterations, cfg.spccl.enabled, cfg.data.paths) == (30, False, ["a.txt", "b.txt"])
+    assert C.load_config("tiny_cpu", ["optim.lr=1"]).optim.lr == 1.0  # ints widen to floats
+    with pytest.raises(C.ConfigError, match="unknown key 'train.iters'"):
+        C.load_config("tiny_cpu", ["train.iters=3"])
+    with pytest.raises(C.ConfigError, match="expected dotted.key=value"):
+        C.load_config("tiny_cpu", ["train.iterations"])
+    with pytest.raises(C.ConfigError, match="is a value, not a section"):
+        C.load_config("tiny_cpu", ["train.iterations.x=3"])
+    with pytest.raises(C.ConfigError, match="not found"):
+        C.load_config("no_such_config")
+
+
+def test_config_round_trips_through_plain_data():
+    cfg = C.load_config("gpt2_xl_spccl", ["spccl.decay=0.5"])
+    assert C.from_dict(C.to_dict(cfg)) == cfg
+
+
+def test_cli_reports_config_errors_with_exit_code_2(capsys):
+    assert cli.main(["--config", "tiny_cpu", "train.bogus=1"]) == 2
+    err = capsys.readouterr().err
+    assert "config error:" in err and "with overrides train.bogus=1: unknown key 'train.bogus'" in err
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _data_cfg(tmp_path: pathlib.Path, **kw) -> C.DataConfig:
+    return C.DataConfig(cache_dir=str(tmp_path / "cache"), seq_len=16, tokenizer_vocab_size=300, **kw)
+
+
+def test_embedded_corpus_is_deterministic_and_sized():
+    a, b = embedded_corpus(50_000), embedded_corpus(50_000)
+    assert a == b and 50_000 <= len(a) < 52_000
+    assert embedded_corpus(50_000, seed=1) != a
+
+
+def test_local_text_files_are_tokenized_offline_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(embedded_corpus(30_000, seed=2))
+    (corpus / "b.md").write_text(embedded_corpus(30_000, seed=3))
+    (corpus / "ignored.bin").write_bytes(b"\x00\x01")
+    cfg = _data_cfg(tmp_path, source="files", paths=[str(corpus)])
+    data = prepare_tokens(cfg)
+    assert data.meta["files"] == [str(corpus / "a.txt"), str(corpus / "b.md")]
+    assert data.tokens.numel() > 5_000 and 256 < data.vocab_size <= 300
+    assert int(data.tokens.min()) >= 0 and int(data.tokens.max()) < data.vocab_size
+    tok_files = sorted((tmp_path / "cache").glob("tokens-*.bin"))
+    stamp = tok_files[0].stat().st_mtime_ns
+    again = prepare_tokens(cfg)  # served from the cache
+    assert torch.equal(again.tokens, data.tokens) and tok_files[0].stat().st_mtime_ns == stamp
+    (corpus / "a.txt").write_text(embedded_corpus(30_000, seed=4))  # changed file: new cache entry
+    assert not torch.equal(prepare_tokens(cfg).tokens, data.tokens)
+
+
+def test_wikitext_folder_layout_is_found(tmp_path):
+    root = tmp_path / "wikitext-103-raw"
+    root.mkdir()
+    (root / "wiki.train.raw").write_text(" = Valkyria = \n\n" + embedded_corpus(20_000, seed=5))
+    (root / "wiki.valid.raw").write_text("not the training split\n")
+    data = prepare_tokens(_data_cfg(tmp_path, source="wikitext103", paths=[str(tmp_path)]))
+    assert data.meta["files"] == [str(root / "wiki.train.raw")]
+
+
+def test_missing_data_gives_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(DataError, match="does not exist"):
+        prepare_tokens(_data_cfg(tmp_path, source="files", paths=[str(tmp_path / "nope.txt")]))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no WikiText-103 training split"):
+        prepare_tokens(_data_cfg(tmp_path, source="wikitext103", paths=[str(tmp_path / "empty")]))
+    with pytest.raises(DataError, match="set data.paths"):
+        prepare_tokens(_data_cfg(tmp_path, source="wikitext103"))
+    with pytest.raises(DataError, match="no tokenizer.json"):
+        prepare_tokens(_data_cfg(tmp_path, tokenizer=str(tmp_path / "empty"), embedded_bytes=10_000))
+
+
+def test_batches_are_deterministic_windows():
+    tokens = torch.arange(1000, dtype=torch.int32)
+    data = TokenData(tokens, seq_len=10, vocab_size=1000, eos_id=0, meta={})
+    a = data.batch(step=3, rank=1, world=2, micro_batch=4, seed=7)
+    assert a.shape == (4, 11) and torch.equal(a, data.batch(step=3, rank=1, world=2, micro_batch=4, seed=7))
+    assert torch.equal(a[:, 1:] - a[:, :-1], torch.ones(4, 10, dtype=torch.long))  # contiguous windows
+    assert not torch.equal(a, data.batch(step=3, rank=0, world=2, micro_batch=4, seed=7))
+    with pytest.raises(DataError, match="fewer than data.seq_len"):
+        TokenData(tokens[:5], seq_len=10, vocab_size=1000, eos_id=0, meta={})
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _tiny(tmp_path: pathlib.Path, name: str, *extra: str) -> C.ExperimentConfig:
+    return C.load_config(
+        "tiny_cpu",
+        [
+            "model.n_layer=1",
+            "model.hidden=32",
+            "model.n_head=2",
+            "model.vocab_size=512",
+            "model.max_position=32",
+            "data.seq_len=32",
+            "data.tokenizer_vocab_size=512",
+            "data.embedded_bytes=60000",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "train.iterations=6",
+            "train.warmup_iterations=2",
+            "train.micro_batch_size=2",
+            f"output.dir={tmp_path / 'runs'}",
+            f"output.name={name}",
+            "output.progress=false",
+            *extra,
+        ],
+    )
+
+
+def _losses(run_dir: pathlib.Path) -> list[float]:
+    lines = (run_dir / "iterations.csv").read_text().splitlines()
+    col = lines[0].split(",").index("loss")
+    return [float(line.split(",")[col]) for line in lines[1:]]
+
+
+def test_training_two_gloo_ranks_dense_and_spccl(tmp_path):
+    dense = launch(_tiny(tmp_path, "dense", "spccl.enabled=false", "output.plot=false"), "tiny_cpu")
+    exact = launch(_tiny(tmp_path, "exact", "spccl.prune=false", "spccl.format=pici", "output.plot=false"), "tiny_cpu")
+    pruned = launch(_tiny(tmp_path, "pruned", "spccl.format=coo"), "tiny_cpu")
+    # Pruning off: the sparse all-reduce is exact, and with two ranks a + b rounds the same in
+    # any order, so the losses equal dense DDP's bit for bit.
+    assert _losses(exact) == _losses(dense)
+    assert _losses(pruned)[0] == _losses(dense)[0] and _losses(pruned) != _losses(dense)
+    s_dense = json.loads((dense / "summary.json").read_text())
+    s_pruned = json.loads((pruned / "summary.json").read_text())
+    assert (s_dense["mode"], s_dense["world_size"], s_dense["summarised_iterations"]) == ("dense", 2, 4)
+    assert s_dense["bytes_ratio"] == 1.0 and s_dense["prune_ms"] == 0.0
+    assert 0.005 < s_pruned["density"] < 0.05 and s_pruned["bytes_ratio"] < 0.2 and s_pruned["prune_ms"] > 0
+    assert (pruned / "report.png").stat().st_size > 10_000
+    out = tmp_path / "cmp.png"
+    assert cli.main(["report", str(dense), str(pruned), "--out", str(out)]) == 0
+    assert out.stat().st_size > 10_000
+
+
+def test_world_size_one_runs_in_process(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    run = launch(
+        _tiny(tmp_path, "single", "dist.nproc_per_node=1", "train.iterations=3", "train.warmup_iterations=1"),
+        "tiny_cpu",
+    )
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(var, None)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 1 and len(_losses(run)) == 3
+
+
+def test_report_rejects_a_folder_that_is_not_a_run(tmp_path, capsys):
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert "not a finished run folder" in capsys.readouterr().err
