@@ -1,0 +1,52 @@
+"""What a caller tunes on the Megatron-core integration: :class:`SpcclMegatronConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from ..collectives import CollectiveConfig
+from ..pruning import PruneConfig
+
+__all__ = ["SpcclMegatronConfig"]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class SpcclMegatronConfig:
+    """How Megatron-core's data-parallel gradient reductions run through SpCCL. Equal on every rank.
+
+    Example::
+
+        >>> SpcclMegatronConfig(pruning={"density": 0.01}, collective={"format": "pici", "ranks_per_node": 8})
+    """
+
+    prune: bool = True
+    """Prune each bucket with error feedback before reducing it. ``False``: an exact sparse
+    reduction of whatever the gradients hold (the same sums as Megatron's own, up to the order
+    of floating-point additions)."""
+    pruning: PruneConfig = dataclasses.field(default_factory=PruneConfig)
+    """Density kept, threshold sampling, error-feedback decay and error-buffer dtype. A mapping
+    with :class:`~spccl_train.pruning.PruneConfig`'s field names is accepted too."""
+    collective: CollectiveConfig = dataclasses.field(default_factory=CollectiveConfig)
+    """Format, algorithm, thresholds, topology (``ranks_per_node``) and channels of the sparse
+    all-reduce / reduce-scatter. A mapping with :class:`~spccl_train.collectives.CollectiveConfig`'s
+    field names is accepted too."""
+    dense_iterations: int = 0
+    """Reductions of each bucket done by Megatron's dense collective before SpCCL takes over.
+    Megatron fixes its buckets when the model is wrapped, so none are needed for correctness;
+    a few let pruned training start from exact gradients."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pruning, Mapping):
+            self.pruning = PruneConfig(**self.pruning)
+        if isinstance(self.collective, Mapping):
+            self.collective = CollectiveConfig(**self.collective)
+        if not isinstance(self.prune, bool):
+            raise TypeError(f"prune={self.prune!r} must be True or False (False reduces exactly, without pruning)")
+        if not isinstance(self.pruning, PruneConfig):
+            raise TypeError(f"pruning={self.pruning!r} must be a PruneConfig or a mapping of its fields")
+        if not isinstance(self.collective, CollectiveConfig):
+            raise TypeError(f"collective={self.collective!r} must be a CollectiveConfig or a mapping of its fields")
+        n = self.dense_iterations
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"dense_iterations={n!r} must be an int >= 0 (0: SpCCL from the first reduction)")

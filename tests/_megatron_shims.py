@@ -1,0 +1,58 @@
+"""Test-only shims that let megatron-core's DistributedDataParallel run on CPU tensors over gloo.
+
+Megatron allocates its parameter and gradient buffers on ``torch.cuda.current_device()`` and
+(0.19) asks for ``torch.cuda.current_stream()`` in every gradient reduction, to wait on CUDA
+graph events it only has on GPUs. Inside :func:`megatron_on_cpu` the current device is the CPU
+and the streams are stand-ins whose waits do nothing, even where CUDA is available, so the
+buffers are CPU tensors that gloo reduces. Never use this outside tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["ensure_model_parallel", "megatron_on_cpu"]
+
+
+class _NoStream:
+    """A CUDA stream stand-in: on CPU every operation has finished when it returns."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def megatron_on_cpu():
+    """Point Megatron's CUDA device and stream queries at the CPU while the block runs."""
+    stream = _NoStream()
+    replaced = {
+        "current_device": lambda: torch.device("cpu"),
+        "current_stream": lambda device=None: stream,
+        "default_stream": lambda device=None: stream,
+    }
+    saved = {name: getattr(torch.cuda, name) for name in replaced}
+    for name, fn in replaced.items():
+        setattr(torch.cuda, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.cuda, name, fn)
+
+
+def ensure_model_parallel() -> None:
+    """Initialise Megatron's parallel state once per process: tensor and pipeline parallel size 1."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=1, create_gloo_process_groups=False
+        )
