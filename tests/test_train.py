@@ -65,6 +65,7 @@ def test_overrides_parse_yaml_values_and_reject_unknown_keys():
     cfg = C.load_config("tiny_cpu", ["train.iterations=30", "spccl.enabled=false", "data.paths=[a.txt, b.txt]"])
     assert (cfg.train.iterations, cfg.spccl.enabled, cfg.data.paths) == (30, False, ["a.txt", "b.txt"])
     assert C.load_config("tiny_cpu", ["optim.lr=1"]).optim.lr == 1.0  # ints widen to floats
+    assert C.load_config("tiny_cpu", ["spccl.overlap=on"]).spccl.overlap == "on"  # YAML reads on as true
     with pytest.raises(C.ConfigError, match="unknown key 'train.iters'"):
         C.load_config("tiny_cpu", ["train.iters=3"])
     with pytest.raises(C.ConfigError, match="expected dotted.key=value"):

@@ -179,8 +179,9 @@ class SpcclConfig:
     """Algorithm of the sparse all-reduce."""
     dense_iterations: int = dataclasses.field(default=1, metadata=_at_least(1))
     """First iterations reduced densely (DDP rebuilds its buckets after the first)."""
-    overlap: str = dataclasses.field(default="auto", metadata=_choices("auto", "on", "off"))
-    """Prune and reduce buckets on a background thread and CUDA stream (``auto``: on GPUs only)."""
+    overlap: str = dataclasses.field(default="off", metadata=_choices("auto", "on", "off"))
+    """Prune and reduce buckets on a background thread and CUDA stream (``auto``: on GPUs only).
+    Off by default: on 4 H200s it did not shorten GPT-2 XL / StarCoder2 iterations (see examples/)."""
 
 
 @dataclasses.dataclass
@@ -258,6 +259,8 @@ def _check_value(where: str, field: dataclasses.Field, hint: object, value: obje
             raise ConfigError(f"{where}={value!r}: expected a number")
         value = float(value)
     elif hint is str:
+        if isinstance(value, bool) and {"on", "off"} <= set(field.metadata.get("choices", ())):
+            value = "on" if value else "off"  # YAML 1.1 reads on/off as booleans
         if not isinstance(value, str):
             raise ConfigError(f"{where}={value!r}: expected a string")
     meta = field.metadata

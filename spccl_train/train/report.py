@@ -29,16 +29,23 @@ def _label(summary: dict, run_dir: pathlib.Path) -> str:
 
 
 def report_table(run_dirs: list[pathlib.Path]) -> str:
-    """One line per run; speed-up against the first dense run of the same config, when there is one."""
+    """One line per run; speed-up against the dense run of the same config listed last before it.
+
+    List each dense run before the SpCCL runs it should be compared with (runs measured in one
+    session, on one machine, compare fairly).
+    """
     runs = [(pathlib.Path(d), load_run(d)[0]) for d in run_dirs]
-    dense = {s["config_name"].replace("_spccl", "").replace("_dense", ""): s for _, s in runs if s["mode"] == "dense"}
     head = (
         f"{'run':44s} {'mode':6s} {'iter ms':>9s} {'allred ms':>9s} {'prune ms':>9s} "
         f"{'speedup':>8s} {'loss':>7s} {'density':>8s} {'bytes':>7s}"
     )
     lines = [head, "-" * len(head)]
+    dense: dict[str, dict] = {}
     for d, s in runs:
-        base = dense.get(s["config_name"].replace("_spccl", "").replace("_dense", ""))
+        key = s["config_name"].replace("_spccl", "").replace("_dense", "")
+        if s["mode"] == "dense":
+            dense[key] = s
+        base = dense.get(key)
         speedup = f"{base['iteration_ms'] / s['iteration_ms']:.3f}x" if base else "-"
         lines.append(
             f"{d.name[:44]:44s} {s['mode']:6s} {s['iteration_ms']:9.1f} {s['allreduce_ms']:9.1f} {s['prune_ms']:9.2f} "

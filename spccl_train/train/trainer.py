@@ -50,6 +50,8 @@ class IterationRecord:
 
 
 def _commit() -> str:
+    if os.environ.get("SPCCL_GIT_COMMIT"):
+        return os.environ["SPCCL_GIT_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
