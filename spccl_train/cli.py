@@ -2,7 +2,7 @@
 
 ::
 
-    spccl-train [--config NAME_OR_PATH] [--use-spccl] [dotted.key=value ...]
+    spccl-train [--config NAME_OR_PATH] [--use-spccl] [--engine ddp|megatron] [dotted.key=value ...]
     spccl-train report RUN_DIR [RUN_DIR ...] [--out report.png]
     spccl-train configs
 
@@ -30,6 +30,13 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="a YAML path or a shipped config name (default: tiny_cpu)")
     p.add_argument("--use-spccl", action="store_true", help="reduce gradients with SpCCL (sets spccl.enabled=true)")
     p.add_argument("--no-spccl", action="store_true", help="dense all-reduce (sets spccl.enabled=false)")
+    p.add_argument(
+        "--engine",
+        choices=("ddp", "megatron"),
+        default="ddp",
+        help="ddp: torch DDP with transformers models; megatron: megatron-core GPTModel and its DDP/optimizer",
+    )
+    p.add_argument("--distributed-optimizer", action="store_true", help="megatron engine: the distributed optimizer")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.iterations=10")
     return p
 
@@ -80,10 +87,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spccl-train: config error: {exc}", file=sys.stderr)
         return 2
     from .train.data import DataError
-    from .train.trainer import launch
 
+    if args.distributed_optimizer and args.engine != "megatron":
+        print("spccl-train: --distributed-optimizer needs --engine megatron", file=sys.stderr)
+        return 2
     try:
-        launch(cfg, name)
+        if args.engine == "megatron":
+            from .megatron.pretrain import launch as launch_megatron
+
+            launch_megatron(cfg, name, distributed_optimizer=args.distributed_optimizer)
+        else:
+            from .train.trainer import launch
+
+            launch(cfg, name)
     except DataError as exc:
         print(f"spccl-train: data error: {exc}", file=sys.stderr)
         return 2

@@ -40,9 +40,9 @@ def report_table(run_dirs: list[pathlib.Path]) -> str:
         f"{'speedup':>8s} {'loss':>7s} {'density':>8s} {'bytes':>7s}"
     )
     lines = [head, "-" * len(head)]
-    dense: dict[str, dict] = {}
+    dense: dict[tuple[str, str], dict] = {}
     for d, s in runs:
-        key = s["config_name"].replace("_spccl", "").replace("_dense", "")
+        key = (s.get("engine", "ddp"), s["config_name"].replace("_spccl", "").replace("_dense", ""))
         if s["mode"] == "dense":
             dense[key] = s
         base = dense.get(key)
