@@ -13,20 +13,9 @@ import contextlib
 
 import torch
 
+from spccl_train.megatron.pretrain import _NoStream
+
 __all__ = ["ensure_model_parallel", "megatron_on_cpu", "megatron_optimizer_on_cpu"]
-
-
-class _NoStream:
-    """A CUDA stream stand-in: on CPU every operation has finished when it returns."""
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def wait_stream(self, stream) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
 
 
 @contextlib.contextmanager

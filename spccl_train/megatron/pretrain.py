@@ -54,7 +54,6 @@ the CPU). The distributed optimizer needs CUDA.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import math
@@ -74,14 +73,11 @@ from ..train.config import ExperimentConfig, from_dict, to_dict
 from ..train.data import prepare_tokens
 from ..train.trainer import (
     IterationRecord,
-    _commit,
     _device,
     _free_port,
     _lr_at,
     _sync,
-    _write_run,
-    format_summary,
-    summarize,
+    finish_run,
 )
 
 __all__ = ["launch", "main", "run_worker"]
@@ -643,80 +639,17 @@ def _loop(cfg, config_name, rank, world, device, data, model, optimizer, state, 
     if rank != 0:
         return None
 
-    info = {
-        "config_name": config_name,
-        "mode": "spccl" if cfg.spccl.enabled else "dense",
-        "world_size": world,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "backend": dist.get_backend(),
-        **info,
-        "tokens_per_iteration": world * t.micro_batch_size * seq,
-        "torch": torch.__version__,
-        "commit": _commit(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-        "data": {k: v for k, v in data.meta.items() if k != "files"},
-    }
-    summary = summarize(records, t.warmup_iterations, info)
-    _write_run(run_dir, records, summary)
-    print(format_summary(summary, run_dir).replace("run: ", "run (megatron): ", 1), flush=True)
-    if cfg.output.plot:
-        from ..train.report import plot_runs
-
-        png = plot_runs([run_dir], run_dir / "report.png")
-        print(f"plot: {png}", flush=True)
-    return run_dir
+    return finish_run(cfg, config_name, run_dir, records, world, device, data, info, label="run (megatron)")
 
 
 # ----------------------------------------------------------------------------- command line
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m spccl_train.megatron.pretrain",
-        description="Train a GPT model with Megatron-core (GPTModel, its DDP and optimizer), dense or with "
-        "SpCCL sparse gradient reduction. Same configs, data and run folders as spccl-train.",
-    )
-    p.add_argument("--config", default=None, help="a YAML path or a shipped config name (default: tiny_cpu)")
-    p.add_argument("--use-spccl", action="store_true", help="reduce gradients with SpCCL (sets spccl.enabled=true)")
-    p.add_argument("--no-spccl", action="store_true", help="Megatron's dense reduction (sets spccl.enabled=false)")
-    p.add_argument(
-        "--distributed-optimizer",
-        action="store_true",
-        help="Megatron's distributed optimizer: gradients reduce-scattered, optimizer state sharded (CUDA only)",
-    )
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.iterations=10")
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
-    """``python -m spccl_train.megatron.pretrain [--config X] [--use-spccl] [--distributed-optimizer] [key=value ...]``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from ..train.config import ConfigError, apply_overrides, find_config, load_config
-    from ..train.data import DataError
+    """``python -m spccl_train.megatron.pretrain ...``: ``spccl-train --engine megatron ...`` (same flags)."""
+    from ..cli import main as cli_main
 
-    args = _parser().parse_args(argv)
-    if args.use_spccl and args.no_spccl:
-        print("spccl_train.megatron.pretrain: --use-spccl and --no-spccl contradict each other", file=sys.stderr)
-        return 2
-    try:
-        cfg = load_config(args.config, args.overrides)
-        if args.use_spccl or args.no_spccl:
-            cfg.spccl.enabled = bool(args.use_spccl)
-            apply_overrides(cfg, [])
-        name = find_config(args.config or "tiny_cpu").stem
-    except ConfigError as exc:
-        print(f"spccl_train.megatron.pretrain: config error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        launch(cfg, name, distributed_optimizer=args.distributed_optimizer)
-    except DataError as exc:
-        print(f"spccl_train.megatron.pretrain: data error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return cli_main(["--engine", "megatron", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from .config import ExperimentConfig, from_dict, to_dict
 from .data import prepare_tokens
 from .model import build_model, count_parameters
 
-__all__ = ["IterationRecord", "launch", "run_worker", "summarize"]
+__all__ = ["IterationRecord", "finish_run", "launch", "run_worker", "summarize"]
 
 
 @dataclasses.dataclass
@@ -180,7 +180,7 @@ def run_worker(cfg: ExperimentConfig, config_name: str) -> pathlib.Path | None:
 
 
 def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pathlib.Path | None:
-    t, seq = cfg.train, cfg.data.seq_len
+    t = cfg.train
     data = prepare_tokens(cfg.data, rank=local_rank, barrier=dist.barrier)
     if data.vocab_size > cfg.model.vocab_size:
         raise ValueError(
@@ -269,24 +269,40 @@ def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pa
     if rank != 0:
         return None
 
+    return finish_run(
+        cfg, config_name, run_dir, records, world, device, data, {"precision": precision, "parameters": n_params}
+    )
+
+
+def finish_run(
+    cfg: ExperimentConfig,
+    config_name: str,
+    run_dir: pathlib.Path,
+    records: list[IterationRecord],
+    world: int,
+    device: torch.device,
+    data,
+    extra: dict,
+    label: str = "run",
+) -> pathlib.Path:
+    """On rank 0 after the loop: summarise, write the run files, print the summary, plot."""
     info = {
         "config_name": config_name,
         "mode": "spccl" if cfg.spccl.enabled else "dense",
         "world_size": world,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "backend": dist.get_backend(),
-        "precision": precision,
-        "parameters": n_params,
-        "tokens_per_iteration": world * t.micro_batch_size * seq,
+        **extra,
+        "tokens_per_iteration": world * cfg.train.micro_batch_size * cfg.data.seq_len,
         "torch": torch.__version__,
         "commit": _commit(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "data": {k: v for k, v in data.meta.items() if k != "files"},
     }
-    summary = summarize(records, t.warmup_iterations, info)
+    summary = summarize(records, cfg.train.warmup_iterations, info)
     _write_run(run_dir, records, summary)
-    print(format_summary(summary, run_dir), flush=True)
+    print(format_summary(summary, run_dir).replace("run: ", f"{label}: ", 1), flush=True)
     if cfg.output.plot:
         from .report import plot_runs
 
