@@ -148,9 +148,13 @@ def _check_plan(
                 assert union <= m.nnz_bound, what
                 sigma = math.prod(1.0 - c / m.numel for c in counts)
                 expected_threshold = th.inter if inter else th.intra
-            elif not m.nnz_exact:  # a dense all-reduce plans its gather phase without counting
-                assert collective == "all_reduce" and plan.format is Format.DENSE and m.format is Format.DENSE, what
-                continue
+            elif not m.nnz_exact:  # an all-reduce gather phase sized from the first exchange's bound
+                assert collective == "all_reduce" and stats.gather_counts == "bound", what
+                counts = [_nnz(flat[q, piece]) for q in range(world)]
+                assert m.nnz_bound == min(m.numel, sum(counts)), f"{what}: gather bound of {m}"
+                assert _nnz(result.view(-1)[piece]) <= m.nnz_bound, what
+                sigma = 1.0 - m.nnz_bound / m.numel
+                expected_threshold = th.ag
             else:
                 source = result.view(-1) if collective == "all_reduce" else flat[m.chunk]
                 offset = 0 if collective == "all_reduce" else m.chunk * flat.shape[1]
@@ -164,7 +168,10 @@ def _check_plan(
             expected = plan.format if (sigma > expected_threshold and sparse_pays) else Format.DENSE
             assert m.format is expected, f"{what}: format of {m}"
     assert stats.bytes_sent == plan.bytes_sent(rank), what
-    assert stats.exchanges == (2 if collective == "all_reduce" and plan.format is not Format.DENSE else 1), what
+    assert stats.exchanges == (2 if stats.gather_counts == "measured" else 1), what
+    assert stats.gather_counts in (("bound", "measured") if collective == "all_reduce" else ("",)), what
+    if cfg.gather_counts != "auto" and collective == "all_reduce" and plan.format is not Format.DENSE:
+        assert stats.gather_counts == cfg.gather_counts, what
     assert int(stats.decode_status) == 0, what
 
 
@@ -209,10 +216,20 @@ def _job_matrix(rank, world, seed, collective, algorithm, fmt, dtype_name, spars
     for sparsity in sparsities:
         for support in supports:
             for n, channels in lengths:
-                what = f"{collective} {algorithm} {fmt} {dtype_name} sparsity={sparsity} {support} n={n} ch={channels}"
+                # an all-reduce sizes its gather phase both ways, in turn
+                gather = "auto" if fmt == "auto" else ("bound", "measured")[len(digests) % 2]
+                what = (
+                    f"{collective} {algorithm} {fmt} {dtype_name} sparsity={sparsity} {support} n={n} ch={channels} "
+                    f"gather={gather}"
+                )
                 xs = _inputs(_seed(seed, sparsity, support, n), world, n, dtype, sparsity, support)
                 cfg = CollectiveConfig(
-                    format=fmt, algorithm=algorithm, channels=channels, ranks_per_node=rpn, cost_model=cost
+                    format=fmt,
+                    algorithm=algorithm,
+                    channels=channels,
+                    ranks_per_node=rpn,
+                    cost_model=cost,
+                    gather_counts=gather,
                 )
                 digests.append(_run_one(rank, world, collective, xs, cfg, what))
     return digests
@@ -300,10 +317,11 @@ def test_world4_link_aware_formats(pools):
 
 def _job_phase_aware(rank, world, seed):
     # 70% sparse inputs on 3 ranks: the reduced chunks are ~66% zeros; the reduce-scatter steps
-    # (intra 0.6) fill in to dense, while the gather phase (ag 0.1) stays Pici
+    # (intra 0.6) fill in to dense, while the gather phase (ag 0.1), sized from measured counts,
+    # stays Pici
     n = world * 4 * TILE
     xs = _inputs(seed, world, n, torch.float32, 0.7, "random")
-    cfg = CollectiveConfig(format="pici", algorithm="ring")
+    cfg = CollectiveConfig(format="pici", algorithm="ring", gather_counts="measured")
     _run_one(rank, world, "all_reduce", xs, cfg, "phase-aware")
     plan = last_stats().plan
     return [sorted({m.format.value for m in s.messages}) for s in plan.steps]

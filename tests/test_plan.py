@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 
 import pytest
 import torch
@@ -132,15 +133,26 @@ def test_count_nonzero_pieces_matches_slices(world, channels, m, aligned, seed, 
     x = torch.randn(n, generator=g)
     x[torch.rand(n, generator=g) >= density] = 0
     x[torch.rand(n, generator=g) < 0.01] = -0.0
+    x[torch.rand(n, generator=g) < 0.001] = float("nan")
     expected = [int((x[p.start : p.stop] != 0).sum()) for chunk in layout.pieces for p in chunk]
     assert count_nonzero_pieces(x, layout).tolist() == expected
     # one chunk on its own (the all-gather input), and a view that starts inside its storage
     for r in range(world):
         own = layout.chunks[r]
         alone = x[own.start : own.stop].clone()
-        assert count_nonzero_pieces(alone, layout, [r], base=own.start).tolist() == expected[r * channels :][:channels]
+        mine = expected[r * channels :][:channels]
+        assert count_nonzero_pieces(alone, layout, [r], base=own.start).tolist() == mine
         padded = torch.cat([torch.ones(7), alone])[7:]
-        assert count_nonzero_pieces(padded, layout, [r], base=own.start).tolist() == expected[r * channels :][:channels]
+        assert count_nonzero_pieces(padded, layout, [r], base=own.start).tolist() == mine
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():  # the CUDA path's kernel
+        from spccl_train.collectives._count import count_ranges
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        ranges = tuple((p.start, p.numel) for chunk in layout.pieces for p in chunk)
+        for dtype in (torch.float32, torch.bfloat16):
+            y = x.to(device=device, dtype=dtype)
+            want = [int((y[p.start : p.stop] != 0).sum()) for chunk in layout.pieces for p in chunk]
+            assert count_ranges(y, ranges).tolist() == want, dtype
 
 
 # ----------------------------------------------------------------------------- formats and sizes

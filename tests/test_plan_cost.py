@@ -11,8 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spccl_train.collectives import ChunkLayout, CollectiveConfig, CostModel, Thresholds, Topology, choose
+from spccl_train.collectives.choice import clear_decisions, decide, quantize_counts
 from spccl_train.collectives.cost import CodecCost, LinkCost
-from spccl_train.collectives.plan import estimate_reduced_counts, plan_all_gather, plan_reduce_scatter
+from spccl_train.collectives.plan import (
+    bound_reduced_counts,
+    estimate_reduced_counts,
+    plan_all_gather,
+    plan_reduce_scatter,
+)
 from spccl_train.formats import TILE, Format, align16, pici_bytes
 
 F32 = torch.float32
@@ -196,22 +202,61 @@ def test_all_reduce_looks_ahead_at_its_gather_phase():
     layout = ChunkLayout.aligned(4 * 16 * TILE, 4)
     table = _table(layout, 0.01)
     model = _model()
-    best, _ = _choose("all_reduce", CollectiveConfig(format="pici", algorithm="ring"), layout, table, model)
     rs = plan_reduce_scatter(
         table, layout, F32, fmt="pici", algorithm="ring", thresholds=Thresholds().resolve("pici"), topology=Topology(4)
     )
-    ahead = plan_all_gather(
-        estimate_reduced_counts(table, layout),
-        layout,
-        F32,
-        fmt="pici",
-        algorithm="ring",
-        threshold=0.1,
-        topology=Topology(4),
-        measured=False,
+    predicted = {}
+    for mode, reduced, exchanges in (
+        ("measured", estimate_reduced_counts(table, layout), 2),
+        ("bound", bound_reduced_counts(table, layout), 1),
+    ):
+        ahead = plan_all_gather(
+            reduced, layout, F32, fmt="pici", algorithm="ring", threshold=0.1, topology=Topology(4), measured=False
+        )
+        assert not any(m.nnz_exact for m in ahead.messages())
+        predicted[mode] = model.predict(rs.then(ahead), exchanges=exchanges)
+        cfg = CollectiveConfig(format="pici", algorithm="ring", gather_counts=mode)
+        best, _ = _choose("all_reduce", cfg, layout, table, model)
+        assert math.isclose(best.predicted_s, predicted[mode]) and best.gather_counts == mode
+    best, _ = _choose("all_reduce", CollectiveConfig(format="pici", algorithm="ring"), layout, table, model)
+    assert best.predicted_s == min(predicted.values())
+    assert best.gather_counts == ("bound" if predicted["bound"] <= predicted["measured"] else "measured")
+
+
+def test_bound_wins_when_exchanges_are_dear_and_measuring_when_padding_is():
+    layout = ChunkLayout.aligned(4 * 64 * TILE, 4)
+    # identical supports at 90%: the bound (4 x 10%) pads every gathered payload about 3x
+    n = layout.numel // 4
+    table = [[n // 10] * 4 for _ in range(4)]
+    cfg = CollectiveConfig(format="pici", algorithm="direct")
+    slow_link = LinkCost(latency_s=0.0, bandwidth=1e6)
+    best, _ = _choose("all_reduce", cfg, layout, table, _model(intra=slow_link, exchange_s=0.0))
+    assert best.gather_counts == "measured"
+    best, _ = _choose("all_reduce", cfg, layout, table, _model(exchange_s=10.0))
+    assert best.gather_counts == "bound"
+
+
+def test_decide_rounds_the_table_and_agrees_with_choose_on_it():
+    layout = ChunkLayout.aligned(4 * 16 * TILE, 4)
+    table = _table(layout, 0.013)
+    model = _model()
+    cfg = CollectiveConfig()
+    rounded = quantize_counts(table, layout, "all_reduce")
+    for row, exact in zip(rounded, table):
+        for x, y in zip(row, exact):
+            assert abs(math.log2(x / y)) <= 1 / 32 + 1e-9
+    clear_decisions()
+    first, weighed = decide("all_reduce", cfg, "k", table, layout, F32, Topology(4), model)
+    best, expected = _choose("all_reduce", cfg, layout, rounded, model)
+    assert (first.algorithm, first.format, first.gather_counts, weighed) == (
+        best.algorithm,
+        best.format,
+        best.gather_counts,
+        expected,
     )
-    assert math.isclose(best.predicted_s, model.predict(rs.then(ahead), exchanges=2))
-    assert not any(m.nnz_exact for m in ahead.messages())
+    assert first.plan is None
+    nearby = [[x + 1 for x in row] for row in table]  # same rounded profile: the memo answers
+    assert decide("all_reduce", cfg, "k", nearby, layout, F32, Topology(4), model)[0] is first
 
 
 @settings(deadline=None, max_examples=60)

@@ -1,9 +1,10 @@
 """Exact sparse collectives with the signatures of ``torch.distributed``'s dense ones.
 
 Each call: check the arguments locally; one planning exchange of every rank's call and per-piece
-nonzero counts (the one host synchronisation; an all-reduce with a sparse format adds a second
-before its gather phase); pick the algorithm and format (``auto``: the cost model); compute the
-plan; run it. The result equals the dense sum up to the order of floating-point additions, and
+nonzero counts (the one host synchronisation; an all-reduce that measures its reduced chunks
+adds a second before its gather phase, see ``CollectiveConfig.gather_counts``); pick the
+algorithm and format (``auto``: the cost model, memoised per sparsity profile); compute the
+plan from the exact counts; run it. The result equals the dense sum up to the order of floating-point additions, and
 positions that are zero on every rank stay exactly zero.
 """
 
@@ -22,12 +23,12 @@ from ..transport import P2PTransport
 from ._direct import direct_all_gather, direct_reduce_scatter
 from ._ring import ring_all_gather, ring_reduce_scatter
 from ._wire import StatusSink
-from .choice import choose
+from .choice import decide, plan_candidate
 from .chunking import ChunkLayout, count_nonzero_pieces
 from .config import CollectiveConfig
 from .cost import CostModel
 from .exchange import Problem, Request, check_table, config_code, exchange_counts, exchange_reduced_counts
-from .plan import Plan, plan_all_gather
+from .plan import Plan, bound_reduced_counts, plan_all_gather
 from .topology import Topology
 
 __all__ = [
@@ -58,11 +59,15 @@ class CollectiveStats:
     plan: Plan | None
     """The plan that ran (``None`` for native and local calls)."""
     predicted_s: float
-    """The cost model's prediction for the chosen candidate, exchanges included."""
+    """The cost model's prediction for the chosen candidate, exchanges included (made for the
+    call's sparsity profile as :func:`~.choice.decide` rounds it)."""
     candidates: dict[str, float]
     """Every candidate the cost model weighed (``"ring/pici"``, ``"native/dense"``, ...) and its prediction."""
     exchanges: int
     """Planning exchanges (host synchronisations) the call made."""
+    gather_counts: str
+    """All-reduce: how its gather phase was sized, ``"bound"`` (from the first exchange) or
+    ``"measured"`` (a second exchange); ``""`` for other collectives and native calls."""
     bytes_sent: int
     """Bytes this rank put on the wire."""
     dense_bytes: int
@@ -227,11 +232,35 @@ def _call(
     elif not isinstance(config, CollectiveConfig):
         raise TypeError(f"config must be a CollectiveConfig or None, got {type(config).__name__}")
     config.validate()
-    transport = P2PTransport(group)
+    transport = _transport(group)
     with torch.no_grad():
         stats, event = _run(collective, transport, config, input, output)
     _local.stats = stats
     return CollectiveWork([output], stats, event) if async_op else None
+
+
+_transports: dict[object, P2PTransport] = {}
+
+
+def _transport(group: dist.ProcessGroup | None) -> P2PTransport:
+    """The group's transport, made once per group object (its rank and peers are fixed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return P2PTransport(group)  # raises the not-initialised error
+    key = group if group is not None else dist.group.WORLD
+    transport = _transports.get(key)
+    if transport is None:
+        transport = _transports[key] = P2PTransport(group)
+    return transport
+
+
+def _default_model(device: torch.device) -> CostModel:
+    model = _default_models.get(device.type)
+    if model is None:
+        model = _default_models[device.type] = CostModel.default(device)
+    return model
+
+
+_default_models: dict[str, CostModel] = {}
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -291,6 +320,7 @@ def _run(
 ) -> tuple[CollectiveStats, torch.cuda.Event | None]:
     p, r = transport.world, transport.rank
     timer = Span(inp.device)
+    fingerprint = config.fingerprint()
     problems, aliased = _local_problems(collective, inp, out, transport)
     layout = None
     if not problems:
@@ -304,7 +334,7 @@ def _run(
         dtype=inp.dtype,
         out_dtype=out.dtype,
         device=inp.device,
-        config=config_code(config.fingerprint()),
+        config=config_code(fingerprint),
         problems=problems,
         channels=config.channels,
     )
@@ -320,6 +350,7 @@ def _run(
             predicted_s=0.0,
             candidates={},
             exchanges=0,
+            gather_counts="",
             bytes_sent=0,
             dense_bytes=0,
             decode_status=None,
@@ -337,12 +368,13 @@ def _run(
     table, xdev = exchange_counts(transport, request, counts, p * config.channels)
     # From here on every rank holds the same valid table and computes the same decisions.
     topology = Topology(p, config.ranks_per_node)
-    model = config.cost_model or CostModel.default(inp.device)
-    choice, weighed = choose(collective, config, table, layout, inp.dtype, topology, model)
+    model = config.cost_model or _default_model(inp.device)
+    key = fingerprint if config.cost_model is not None else f"{fingerprint}|{inp.device.type}"
+    choice, weighed = decide(collective, config, key, table, layout, inp.dtype, topology, model)
+    plan = plan_candidate(choice, collective, config, table, layout, inp.dtype, topology)
     sink = StatusSink(inp.device)
     y = out.view(-1)
     exchanges = 1
-    plan = choice.plan
     if choice.algorithm == "native":
         _native(collective, transport, x, y)
         chunk_bytes = layout.numel // p * inp.element_size()
@@ -359,12 +391,12 @@ def _run(
             _scatter_phase(choice.algorithm, transport, plan, layout, x, y, sink, aliased)
         else:
             _scatter_phase(choice.algorithm, transport, plan, layout, x, None, sink, False)
-            measured = choice.format is not Format.DENSE
-            if not measured:  # every message is dense: no counts needed, so no second exchange
-                reduced = [[piece.numel for piece in chunk] for chunk in layout.pieces]
-            else:
+            measured = choice.gather_counts == "measured"
+            if measured:
                 reduced = exchange_reduced_counts(transport, count_nonzero_pieces(x, layout, [r], base=0), xdev)
                 exchanges += 1
+            else:  # sized for what the sums can hold: no second exchange
+                reduced = bound_reduced_counts(table, layout)
             gather = plan_all_gather(
                 reduced,
                 layout,
@@ -388,6 +420,7 @@ def _run(
         predicted_s=choice.predicted_s,
         candidates=weighed,
         exchanges=exchanges,
+        gather_counts=choice.gather_counts,
         bytes_sent=sent,
         dense_bytes=dense,
         decode_status=sink.status,

@@ -4,13 +4,22 @@ With ``format="auto"`` the candidates are Pici and COO under each allowed algori
 native dense ``torch.distributed`` collective, which comes first and wins ties, so ``auto``
 never picks what the cost model predicts slower than dense. A fixed sparse format weighs only
 its algorithms; ``format="dense", algorithm="auto"`` is the native call. An all-reduce's gather
-phase is looked ahead at with :func:`~.plan.estimate_reduced_counts`, since its real counts come
-from a second exchange. All inputs are equal on every rank, so every rank picks alike.
+phase is looked ahead at in both ways it can be sized (``CollectiveConfig.gather_counts``): from
+the bound of the first exchange (:func:`~.plan.bound_reduced_counts`, one synchronisation) or
+from a second exchange (:func:`~.plan.estimate_reduced_counts` predicts what it will count);
+the cheaper wins. All inputs are equal on every rank, so every rank picks alike.
+
+:func:`decide` is what a call uses: the same choice made from the count table rounded to 1/16
+of an octave of density (:func:`quantize_counts`) and memoised, so calls with the same sparsity
+profile (every training step, every benchmark repetition) skip the weighing. The decision is a
+pure function of the rounded table, so ranks agree whatever their caches hold; the call then
+plans the chosen candidate from its exact counts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
@@ -19,10 +28,10 @@ from ..formats import Format
 from .chunking import ChunkLayout
 from .config import CollectiveConfig
 from .cost import CostModel
-from .plan import Plan, estimate_reduced_counts, plan_all_gather, plan_reduce_scatter
+from .plan import Plan, bound_reduced_counts, estimate_reduced_counts, plan_all_gather, plan_reduce_scatter
 from .topology import Topology
 
-__all__ = ["Candidate", "choose"]
+__all__ = ["Candidate", "choose", "decide", "plan_candidate", "quantize_counts", "clear_decisions"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -37,6 +46,9 @@ class Candidate:
     """Its plan (an all-reduce: the reduce-scatter phase only); ``None`` for native."""
     predicted_s: float
     """The cost model's prediction, planning exchanges included."""
+    gather_counts: str = ""
+    """All-reduce only: ``"bound"`` (gather phase sized from the first exchange) or
+    ``"measured"`` (a second exchange); ``""`` otherwise."""
 
     @property
     def name(self) -> str:
@@ -57,7 +69,7 @@ def choose(
 
     Args:
         collective: ``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``.
-        config: the call's config (format, algorithm, thresholds).
+        config: the call's config (format, algorithm, thresholds, gather_counts).
         counts: the exchanged table: ``counts[q]`` is rank ``q``'s ``world * channels`` per-piece
             nonzero counts (for an all-gather only the first ``channels``, its input's, are used).
         layout, dtype, topology: the call's chunks, element type and nodes.
@@ -85,37 +97,154 @@ def choose(
                         threshold=th.ag,
                         topology=topology,
                     )
-                    predicted = model.predict(plan)
-                else:
-                    plan = plan_reduce_scatter(
-                        counts,
+                    candidates.append(Candidate(algorithm, fmt, plan, model.predict(plan)))
+                    continue
+                plan = plan_reduce_scatter(
+                    counts,
+                    layout,
+                    dtype,
+                    fmt=fmt,
+                    algorithm=algorithm,
+                    thresholds=th,
+                    topology=topology,
+                    collective=collective,
+                )
+                if collective == "reduce_scatter":
+                    candidates.append(Candidate(algorithm, fmt, plan, model.predict(plan)))
+                    continue
+                best_gather: tuple[float, str] | None = None
+                for mode in _gather_modes(config.gather_counts, fmt):
+                    reduced = (
+                        bound_reduced_counts(counts, layout)
+                        if mode == "bound"
+                        else estimate_reduced_counts(counts, layout)
+                    )
+                    ahead = plan_all_gather(
+                        reduced,
                         layout,
                         dtype,
                         fmt=fmt,
                         algorithm=algorithm,
-                        thresholds=th,
+                        threshold=th.ag,
                         topology=topology,
                         collective=collective,
+                        measured=False,
                     )
-                    if collective == "all_reduce":
-                        ahead = plan_all_gather(
-                            estimate_reduced_counts(counts, layout),
-                            layout,
-                            dtype,
-                            fmt=fmt,
-                            algorithm=algorithm,
-                            threshold=th.ag,
-                            topology=topology,
-                            collective=collective,
-                            measured=False,
-                        )
-                        exchanges = 1 if fmt is Format.DENSE else 2
-                        predicted = model.predict(plan.then(ahead), exchanges=exchanges)
-                    else:
-                        predicted = model.predict(plan)
-                candidates.append(Candidate(algorithm, fmt, plan, predicted))
+                    predicted = model.predict(plan.then(ahead), exchanges=1 if mode == "bound" else 2)
+                    if best_gather is None or predicted < best_gather[0]:
+                        best_gather = (predicted, mode)
+                candidates.append(Candidate(algorithm, fmt, plan, best_gather[0], best_gather[1]))
     best = candidates[0]
     for candidate in candidates[1:]:
         if candidate.predicted_s < best.predicted_s:
             best = candidate
     return best, {c.name: c.predicted_s for c in candidates}
+
+
+def _gather_modes(setting: str, fmt: Format) -> tuple[str, ...]:
+    # "bound" first, so it wins ties (one synchronisation fewer); a dense gather needs no counts.
+    if fmt is Format.DENSE or setting == "bound":
+        return ("bound",)
+    if setting == "measured":
+        return ("measured",)
+    return ("bound", "measured")
+
+
+DENSITY_STEPS_PER_OCTAVE = 16
+"""Resolution of :func:`quantize_counts`: densities within 2**(1/16) (4.4%) share a decision."""
+_MAX_DECISIONS = 1024
+_decisions: dict[tuple, tuple[Candidate, dict[str, float]]] = {}
+
+
+def quantize_counts(counts: Sequence[Sequence[int]], layout: ChunkLayout, collective: str) -> list[list[int]]:
+    """``counts`` with every density rounded to 1/16 of an octave (empty and full pieces kept exact).
+
+    A count ``0 < x < n`` of a piece of ``n`` elements becomes ``round(n * 2**(-j/16))`` for the
+    nearest ``j``, clamped to ``[1, n - 1]``. For an all-gather only each row's first
+    ``channels`` counts (rank ``q``'s pieces of chunk ``q``) are kept.
+    """
+    ch = layout.channels
+    every = [span.numel for chunk in layout.pieces for span in chunk]
+    out = []
+    for q, row in enumerate(counts):
+        if collective == "all_gather":
+            sizes, row = [span.numel for span in layout.pieces[q]], row[:ch]
+        else:
+            sizes = every
+        out.append([_round_count(x, n) for x, n in zip(row, sizes)])
+    return out
+
+
+def _round_count(x: int, n: int) -> int:
+    if x <= 0 or x >= n:
+        return x
+    j = round(-math.log2(x / n) * DENSITY_STEPS_PER_OCTAVE)
+    return min(n - 1, max(1, round(n * 2.0 ** (-j / DENSITY_STEPS_PER_OCTAVE))))
+
+
+def decide(
+    collective: str,
+    config: CollectiveConfig,
+    fingerprint: str,
+    counts: Sequence[Sequence[int]],
+    layout: ChunkLayout,
+    dtype: torch.dtype,
+    topology: Topology,
+    model: CostModel,
+) -> tuple[Candidate, dict[str, float]]:
+    """:func:`choose` on the :func:`quantize_counts` of ``counts``, memoised; the candidate comes without a plan.
+
+    ``fingerprint`` is ``config.fingerprint()`` plus anything else the cost model depends on
+    (the device type, for the default model). Equal on every rank for equal tables, whatever
+    each rank's memo holds.
+    """
+    rounded = quantize_counts(counts, layout, collective)
+    key = (collective, fingerprint, dtype, layout.numel, layout.world, layout.channels, *map(tuple, rounded))
+    hit = _decisions.get(key)
+    if hit is None:
+        if len(_decisions) >= _MAX_DECISIONS:
+            _decisions.clear()  # a pure memo: forgetting only costs a recomputation
+        best, weighed = choose(collective, config, rounded, layout, dtype, topology, model)
+        hit = _decisions[key] = (dataclasses.replace(best, plan=None), weighed)
+    return hit
+
+
+def clear_decisions() -> None:
+    """Forget every memoised decision (for measurements of the weighing itself)."""
+    _decisions.clear()
+
+
+def plan_candidate(
+    candidate: Candidate,
+    collective: str,
+    config: CollectiveConfig,
+    counts: Sequence[Sequence[int]],
+    layout: ChunkLayout,
+    dtype: torch.dtype,
+    topology: Topology,
+) -> Plan | None:
+    """The plan of ``candidate`` from the exact ``counts`` (an all-reduce: its reduce-scatter phase)."""
+    if candidate.algorithm == "native":
+        return None
+    th = config.thresholds.resolve(candidate.format)
+    if collective == "all_gather":
+        ch = layout.channels
+        return plan_all_gather(
+            [row[:ch] for row in counts],
+            layout,
+            dtype,
+            fmt=candidate.format,
+            algorithm=candidate.algorithm,
+            threshold=th.ag,
+            topology=topology,
+        )
+    return plan_reduce_scatter(
+        counts,
+        layout,
+        dtype,
+        fmt=candidate.format,
+        algorithm=candidate.algorithm,
+        thresholds=th,
+        topology=topology,
+        collective=collective,
+    )

@@ -24,6 +24,7 @@ piece is the unit of every message and of every nonzero count.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import torch
@@ -122,14 +123,19 @@ def count_nonzero_pieces(
     ``layout.chunks[chunks[0]].start - base`` of ``flat`` (``base`` lets the input of an
     all-gather, which is one chunk, be counted on its own). No host synchronisation.
 
-    With the CUDA kernels, each piece is counted by the Pici encoder writing into a buffer that
-    holds only the payload's metadata: it reports nnz without storing values (``compress_into``
-    with ``check=False`` never writes past its buffer), one read of the data at the encoder's
-    speed (2.2 TB/s on an H200, against 0.65 TB/s for ``torch.count_nonzero``). Otherwise runs
+    On CUDA with Triton, one streaming launch counts every piece (:mod:`._count`, near copy
+    bandwidth). Else, with the CUDA kernels, each piece is counted by the Pici encoder writing
+    into a buffer that holds only the payload's metadata: it reports nnz without storing values
+    (``compress_into`` with ``check=False`` never writes past its buffer), at the encoder's speed
+    (2.2 TB/s on an H200, against 0.65 TB/s for ``torch.count_nonzero``). Otherwise runs
     of equally long, equally spaced chunks are counted as one strided 2-D view per piece, so the
     number of kernels is about ``channels`` times the number of distinct chunk lengths.
     """
     chunks = list(range(layout.world)) if chunks is None else list(chunks)
+    if flat.dtype in SUPPORTED_DTYPES and _counts_with_triton(flat):
+        from ._count import count_ranges
+
+        return count_ranges(flat, tuple((p.start - base, p.numel) for c in chunks for p in layout.pieces[c]))
     if uses_kernels(flat) and flat.dtype in SUPPORTED_DTYPES:
         return _count_with_encoder(flat, layout, chunks, base)
     ch = layout.channels
@@ -156,6 +162,20 @@ def count_nonzero_pieces(
                     out[i * ch + k : j * ch : ch] = nonzero.sum(dim=1, dtype=torch.int32)
         i = j
     return out
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _counts_with_triton(flat: torch.Tensor) -> bool:
+    """CUDA tensors with Triton installed (tests run :func:`._count.count_ranges` in Triton's interpreter)."""
+    return flat.is_cuda and _triton_importable()
 
 
 def _count_with_encoder(flat: torch.Tensor, layout: ChunkLayout, chunks: list[int], base: int) -> torch.Tensor:

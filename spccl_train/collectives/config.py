@@ -21,6 +21,7 @@ MAX_CHANNELS = 64
 
 _FORMATS = ("auto", "pici", "coo", "dense")
 _ALGORITHMS = ("auto", "ring", "direct")
+_GATHER_COUNTS = ("auto", "bound", "measured")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -102,6 +103,12 @@ class CollectiveConfig:
     thresholds: Thresholds = dataclasses.field(default_factory=Thresholds)
     """Sparsity thresholds (intra-node, inter-node, all-gather); unset ones take the chosen
     format's defaults. A mapping with keys ``intra``, ``inter``, ``ag`` is accepted too."""
+    gather_counts: str = "auto"
+    """How an all-reduce sizes the messages of its gather phase. ``"bound"``: from the first
+    exchange alone, each reduced piece sized for ``min(n, sum of every rank's count)``, which no
+    sum can exceed (one host synchronisation per call; payloads are padded when supports
+    overlap). ``"measured"``: count the reduced chunks and exchange again (a second
+    synchronisation; exact sizes and formats). ``"auto"``: the cost model picks per call."""
     ranks_per_node: int | None = None
     """Topology: ranks ``[k * ranks_per_node, (k + 1) * ranks_per_node)`` of the group share node
     ``k`` (pass ``LOCAL_WORLD_SIZE`` under torchrun). ``None`` puts all ranks on one node. Tests
@@ -135,6 +142,10 @@ class CollectiveConfig:
             raise ValueError(
                 f"thresholds={self.thresholds!r} must be a Thresholds (or a mapping with keys intra, inter, ag)"
             )
+        if self.gather_counts not in _GATHER_COUNTS:
+            raise ValueError(
+                f"gather_counts={self.gather_counts!r} is not one of {', '.join(map(repr, _GATHER_COUNTS))}; pick one of them"
+            )
         rpn = self.ranks_per_node
         if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
             raise ValueError(
@@ -154,6 +165,7 @@ class CollectiveConfig:
         parts = [
             self.format,
             self.algorithm,
+            self.gather_counts,
             *(_canon(v) for v in (th.intra, th.inter, th.ag)),
             _canon(self.ranks_per_node),
             str(self.channels),

@@ -16,8 +16,11 @@ sparse format. Sparsity estimates:
   ``sigma_0``: nonzero positions independent across ranks). The payload is sized for the
   **bound** ``min(n, sum of the contributors' counts)``, which no sum can exceed (a position
   that is zero on every contributor is zero in the sum), and padded to it.
-* the all-reduce gather phase is planned after a second count exchange of the reduced chunks,
-  so its formats follow measured sparsity (the paper extrapolates there; measuring is exact).
+* the all-reduce gather phase is planned either from the same **bound** (the sum of every
+  rank's count, capped at n: :func:`bound_reduced_counts`; no second exchange, payloads padded
+  to the bound) or after a second count exchange of the reduced chunks, **measured** (exact
+  sizes and formats; the paper extrapolates there). ``CollectiveConfig.gather_counts`` or the
+  cost model picks.
 
 Thresholds: link-aware in reduction steps (``intra`` or ``inter`` by whether the hop crosses a
 node boundary), phase-aware in gather steps (``ag``).
@@ -64,6 +67,7 @@ __all__ = [
     "plan_reduce_scatter",
     "plan_all_gather",
     "estimate_reduced_counts",
+    "bound_reduced_counts",
 ]
 
 COO_HEADER_BYTES = 16
@@ -315,30 +319,22 @@ def _message(
     sizes: _Sizes,
     packed: bool,
 ) -> Message:
-    span = layout.pieces[chunk][piece]
+    start, numel = layout.pieces[chunk][piece]
     # choose_format's rule, with each size computed once
-    dense = sizes.dense(span.numel)
+    dense = sizes._dense.get(numel)
+    if dense is None:
+        dense = sizes.dense(numel)
     fmt, nbytes = Format.DENSE, dense
-    if requested is not Format.DENSE and span.numel and sigma > threshold:
-        sparse = sizes.sparse(requested, span.numel, nnz_bound)
+    if requested is not Format.DENSE and numel and sigma > threshold:
+        sparse = sizes._sparse.get((requested, numel, nnz_bound))
+        if sparse is None:
+            sparse = sizes.sparse(requested, numel, nnz_bound)
         if sparse < dense:
             fmt, nbytes = requested, sparse
-    return Message(
-        src=src,
-        dst=dst,
-        chunk=chunk,
-        piece=piece,
-        start=span.start,
-        numel=span.numel,
-        format=fmt,
-        nbytes=align16(nbytes) if packed else nbytes,
-        nnz_bound=nnz_bound,
-        nnz_exact=exact,
-        sparsity=sigma,
-        threshold=threshold,
-        inter_node=inter,
-        dense_nbytes=dense,
-    )
+    if packed:
+        nbytes = align16(nbytes)
+    # positional: the field order of Message
+    return Message(src, dst, chunk, piece, start, numel, fmt, nbytes, nnz_bound, exact, sigma, threshold, inter, dense)
 
 
 def _check_counts(counts: Sequence[Sequence[int]], rows: int, cols: int, what: str) -> None:
@@ -524,3 +520,17 @@ def estimate_reduced_counts(counts: Sequence[Sequence[int]], layout: ChunkLayout
             row.append(min(n, total, round(n * (1.0 - sigma))))
         out.append(row)
     return out
+
+
+def bound_reduced_counts(counts: Sequence[Sequence[int]], layout: ChunkLayout) -> list[list[int]]:
+    """Most nonzeros every piece can hold after summing all ranks' contributions: ``min(n, sum of counts)``.
+
+    A position that is zero on every rank is zero in the sum, so no reduced piece exceeds it;
+    an all-reduce sizes its gather phase from it when it skips the second count exchange.
+    """
+    p, ch = layout.world, layout.channels
+    _check_counts(counts, p, p * ch, "reduce-scatter")
+    return [
+        [min(span.numel, sum(counts[q][c * ch + k] for q in range(p))) for k, span in enumerate(layout.pieces[c])]
+        for c in range(p)
+    ]

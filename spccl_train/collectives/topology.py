@@ -37,7 +37,10 @@ class Topology:
 
     def is_inter(self, src: int, dst: int) -> bool:
         """True when a message from ``src`` to ``dst`` crosses a node boundary."""
-        return self.node_of(src) != self.node_of(dst)
+        rpn = self.ranks_per_node
+        if not (0 <= src < self.world and 0 <= dst < self.world):
+            self.node_of(src if not 0 <= src < self.world else dst)  # raises, naming the bad rank
+        return rpn is not None and src // rpn != dst // rpn
 
     @property
     def nodes(self) -> int:
