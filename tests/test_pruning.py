@@ -103,6 +103,50 @@ def test_sampled_threshold_matches_reference_on_its_sample(density):
     assert abs(float(sample.median()) - float(population.median())) < 0.15
 
 
+def _assert_state_zeroed(device) -> None:
+    """The kernel leaves its per-device histogram and "programs done" counter zeroed."""
+    from spccl_train.pruning import threshold as threshold_module
+
+    hist, done, _ = threshold_module._device_state(torch.device(device))
+    assert not hist.any() and int(done) == 0
+
+
+def test_sampled_threshold_resets_between_calls():
+    """Back-to-back calls on different inputs, sizes and k: each equals the reference on its sample."""
+    torch.manual_seed(0)
+    previous = []
+    for n, m, density in [(5000, 700, 0.01), (300, 300, 1.0), (20000, 1, 0.5), (4096, 1500, 0.3), (777, 64, 1e-4)]:
+        g = torch.randn(n, device=DEVICE) * 3
+        e = torch.randn(n, device=DEVICE)
+        k = reference.keep_count(m, density)
+        threshold, sample = sampled_threshold(g, e, m, k, seed=n + m, return_sample=True)
+        assert torch.equal(threshold, reference.threshold_from_sample(sample, density))
+        _assert_state_zeroed(DEVICE)
+        again = sampled_threshold(g, e, m, k, seed=n + m)
+        assert torch.equal(again, threshold)
+        _assert_state_zeroed(DEVICE)
+        previous.append((threshold, threshold.clone()))
+    # Each call returns a fresh tensor, left alone by the calls after it.
+    assert len({t.data_ptr() for t, _ in previous}) == len(previous)
+    assert all(torch.equal(t, kept) for t, kept in previous)
+
+
+@pytest.mark.parametrize("m", [1024, 1025, 4 * 1024 + 17])
+@pytest.mark.parametrize("density", [1e-3, 0.05, 1.0])
+def test_sampled_threshold_over_many_programs(m, density):
+    """One program's draws (1024) and more, over magnitudes spread across many bins (and blocks of
+    bins), with infinities: the last program done selects over every program's counts."""
+    n = 6000
+    g = torch.randn(n, device=DEVICE) * torch.exp2(torch.randint(-120, 120, (n,), device=DEVICE).float())
+    e = torch.zeros(n, device=DEVICE)
+    g[::500] = float("inf")
+    k = reference.keep_count(m, density)
+    threshold, sample = sampled_threshold(g, e, m, k, seed=m, return_sample=True)
+    assert torch.equal(threshold, reference.threshold_from_sample(sample, density))
+    assert int((sample >= threshold).sum()) >= k
+    _assert_state_zeroed(DEVICE)
+
+
 @settings(deadline=None, max_examples=40)
 @given(m=st.integers(1, 2000), density=st.floats(1e-4, 1.0))
 def test_threshold_keeps_the_target_share_of_the_sample(m, density):
