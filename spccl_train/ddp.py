@@ -88,6 +88,11 @@ class SparseHookState:
         collective_config: full control of the collective (thresholds, topology, channels).
         dense_iterations: iterations reduced densely first. DDP rebuilds its buckets after the
             first iteration, and error buffers are kept per bucket, so at least 1.
+        warmup_steps: sparse iterations over which the kept fraction decays exponentially from 1
+            to ``density`` (Deep Gradient Compression's warm-up; :meth:`PruneConfig.density_at`),
+            counted from the first sparse iteration: iteration ``i`` prunes to
+            ``density_at(i - dense_iterations)``, and ``density`` itself from iteration
+            ``dense_iterations + warmup_steps`` on. 0: ``density`` from the first sparse iteration.
         seed: base seed of the threshold sampling.
         overlap: run pruning and the sparse all-reduce on a background thread and CUDA stream,
             so that their planning synchronisations block neither the backward pass nor the host
@@ -132,6 +137,7 @@ class SparseHookState:
         algorithm: str = "auto",
         collective_config: CollectiveConfig | None = None,
         dense_iterations: int = 1,
+        warmup_steps: int = 0,
         seed: int = 0,
         overlap: bool | None = False,
     ) -> None:
@@ -144,7 +150,12 @@ class SparseHookState:
         self.prune = prune
         self.pruner = Pruner(
             PruneConfig(
-                density=density, sample_fraction=sample_fraction, decay=decay, error_dtype=error_dtype, seed=seed
+                density=density,
+                sample_fraction=sample_fraction,
+                decay=decay,
+                error_dtype=error_dtype,
+                seed=seed,
+                warmup_steps=warmup_steps,
             )
         )
         self.collective_config = collective_config or CollectiveConfig(format=format, algorithm=algorithm)
@@ -235,8 +246,11 @@ def _reduce_sparse(
     state: SparseHookState, buffer: torch.Tensor, index: int, iteration: int, group: dist.ProcessGroup, world: int
 ) -> torch.Tensor:
     if state.prune:
+        # The seed follows the iteration; the density warm-up counts from the first sparse one.
+        schedule_step = iteration - state.dense_iterations
         span = Span(buffer.device)
-        result = state.pruner.prune(buffer, state.error_buffer(index, buffer), step=iteration, buffer=index)
+        error = state.error_buffer(index, buffer)
+        result = state.pruner.prune(buffer, error, step=iteration, buffer=index, schedule_step=schedule_step)
         span.stop()
         state._prune_spans.append(span)
         state.last_prune[index] = result

@@ -59,18 +59,32 @@ def _job_matches_default_ddp(rank: int, world: int, steps: int, overlap: bool | 
     return summary.sparse_calls
 
 
-def _job_error_feedback(rank: int, world: int, steps: int, decay: float) -> list[int]:
-    """Wraps the hook to check every bucket: the error buffer holds exactly what was dropped."""
+def _job_error_feedback(
+    rank: int, world: int, steps: int, decay: float, warmup_steps: int = 0, dense_iterations: int = 1
+) -> tuple[list[int], dict[int, float]]:
+    """Wraps the hook to check every bucket: the error buffer holds exactly what was dropped.
+
+    Returns the sizes of the buckets checked and the density achieved in each sparse iteration.
+    """
     model = DDP(_model(SEED), bucket_cap_mb=0.03)
-    state = SparseHookState(density=0.05, sample_fraction=0.2, decay=decay, format="pici")
+    state = SparseHookState(
+        density=0.05,
+        sample_fraction=0.2,
+        decay=decay,
+        format="pici",
+        warmup_steps=warmup_steps,
+        dense_iterations=dense_iterations,
+    )
     sizes: list[int] = []
+    counts: dict[int, list[int]] = {}  # iteration -> [kept, elements]
 
     def checking_hook(state: SparseHookState, bucket: dist.GradBucket):
         index, buffer = bucket.index(), bucket.buffer()
         before = buffer.clone()
         old = state.error_buffers.get(index)
         error_before = old.clone() if old is not None and old.shape == buffer.shape else torch.zeros_like(buffer)
-        sparse = state.iteration >= state.dense_iterations
+        iteration = state.iteration
+        sparse = iteration >= state.dense_iterations
         future = sparse_allreduce_hook(state, bucket)
         if sparse:
             v = before + error_before
@@ -86,6 +100,9 @@ def _job_error_feedback(rank: int, world: int, steps: int, decay: float) -> list
             dist.all_gather(everyone, contributed)
             torch.testing.assert_close(reduced, torch.stack(everyone).sum(0) / world, rtol=1e-5, atol=1e-7)
             sizes.append(buffer.numel())
+            count = counts.setdefault(iteration, [0, 0])
+            count[0] += kept
+            count[1] += buffer.numel()
         return future
 
     model.register_comm_hook(state, checking_hook)
@@ -93,7 +110,7 @@ def _job_error_feedback(rank: int, world: int, steps: int, decay: float) -> list
         x, y = _batch(rank, step)
         model.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
-    return sizes
+    return sizes, {iteration: kept / elements for iteration, (kept, elements) in counts.items()}
 
 
 def _job_train(rank: int, world: int, mode: str, steps: int) -> float:
@@ -150,9 +167,25 @@ def test_background_reducer_gives_the_same_gradients(pools):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_error_feedback_holds_exactly_what_was_dropped(pools, world):
-    sizes = pools(world).run(_job_error_feedback, 4, 0.7)[0]
+    sizes, _ = pools(world).run(_job_error_feedback, 4, 0.7)[0]
     assert len(set(sizes)) >= 2, f"expected buckets of uneven size, got {sorted(set(sizes))}"
     assert min(sizes) < 4096, "expected a bucket smaller than one Pici tile"
+
+
+def test_density_warm_up_counts_from_the_first_sparse_iteration(pools):
+    """With 2 dense iterations and a warm-up of 3, iterations 2..4 keep 0.05 ** (1/4, 2/4, 3/4)
+    and iteration 5 on keeps 0.05; the error buffers hold exactly what was dropped throughout."""
+    dense_iterations, warmup_steps, density = 2, 3, 0.05
+    results = pools(2).run(_job_error_feedback, 7, 0.7, warmup_steps, dense_iterations)
+    for _, achieved in results:
+        assert sorted(achieved) == list(range(dense_iterations, 7))
+        for iteration, got in achieved.items():
+            scheduled = density ** min(1.0, (iteration - dense_iterations + 1) / (warmup_steps + 1))
+            assert abs(got - scheduled) <= 0.2 * scheduled + 0.01, (
+                f"iteration {iteration}: {got:.4f} vs {scheduled:.4f}"
+            )
+        ramp = [achieved[i] for i in sorted(achieved)]
+        assert ramp[0] > 0.35 and ramp[0] > ramp[1] > ramp[2] > ramp[3], ramp
 
 
 def test_pruned_training_tracks_dense_with_error_feedback(pools):
@@ -173,7 +206,10 @@ def test_state_validates_and_pickles_without_its_group():
         SparseHookState(dense_iterations=0)
     with pytest.raises(ValueError, match="density"):
         SparseHookState(density=2.0)
-    state = SparseHookState(process_group=object(), density=0.02)
+    with pytest.raises(ValueError, match="warmup_steps=-1"):
+        SparseHookState(warmup_steps=-1)
+    state = SparseHookState(process_group=object(), density=0.02, warmup_steps=5)
     copy = pickle.loads(pickle.dumps(state))
     assert copy.process_group is None and copy.pruner.config.density == 0.02
+    assert copy.pruner.config.warmup_steps == 5
     assert isinstance(copy.summary(), HookSummary)

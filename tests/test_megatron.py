@@ -19,7 +19,7 @@ from _pool import pool_factory
 from torch import nn
 
 import spccl_train.megatron as spccl_megatron
-from spccl_train.pruning import reference
+from spccl_train.pruning import PruneConfig, Pruner, reference
 
 SEED = int(os.environ.get("SPCCL_TEST_SEED", random.SystemRandom().randrange(2**31)))
 os.environ["SPCCL_TEST_SEED"] = str(SEED)
@@ -135,13 +135,18 @@ def _job_matches_megatron(
     return buckets, summary.bytes_sent, summary.dense_bytes
 
 
-def _job_error_feedback(rank, world, distopt, decay, steps):
-    """Every bucket's error buffer holds exactly the decayed values pruning dropped, and the sum is theirs."""
+def _job_error_feedback(rank, world, distopt, decay, steps, warmup_steps=0, dense_iterations=0):
+    """Every bucket's error buffer holds exactly the decayed values pruning dropped, and the sum is theirs.
+
+    With a density warm-up, each threshold is the one a pruner without warm-up finds at the
+    density scheduled for the step, counted from the first sparse reduction.
+    """
     with megatron_on_cpu():
         ensure_model_parallel()
         # Without overlap Megatron makes one bucket per buffer: the bf16 embedding gets its own.
         model = _wrapped(overlap=False, distopt=distopt, embed_dtype=torch.bfloat16)
-        state = spccl_megatron.enable(pruning={"density": 0.05, "sample_fraction": 0.2, "decay": decay})
+        pruning = {"density": 0.05, "sample_fraction": 0.2, "decay": decay, "warmup_steps": warmup_steps}
+        state = spccl_megatron.enable(pruning=pruning, dense_iterations=dense_iterations)
         checked = []
         try:
             for step in range(steps):
@@ -149,14 +154,23 @@ def _job_error_feedback(rank, world, distopt, decay, steps):
                 before = []
                 for bucket in _buckets(model):
                     bucket_state = state.bucket_state(bucket)
+                    has_error = bucket_state is not None and bucket_state.error is not None
                     fresh = torch.zeros(bucket.grad_data.shape)  # fp32, the default error_dtype
-                    error = bucket_state.error.clone() if bucket_state else fresh
+                    error = bucket_state.error.clone() if has_error else fresh
                     # Megatron scales the bucket (1 / world) in place before reducing it.
                     before.append((bucket.grad_data * bucket.gradient_scaling_factor, error))
                 model.finish_grad_sync()
+                if step < dense_iterations:
+                    assert all(state.bucket_state(bucket).last_prune is None for bucket in _buckets(model))
+                    continue
+                scheduled = state.pruner.config.density_at(step - dense_iterations)
+                plain = Pruner(PruneConfig(density=scheduled, sample_fraction=0.2, decay=decay))
                 for bucket, (grad, error) in zip(_buckets(model), before, strict=True):
                     bucket_state = state.bucket_state(bucket)
-                    kept = reference.prune_with_error_feedback(grad, error, bucket_state.last_prune.threshold, decay)
+                    threshold = bucket_state.last_prune.threshold
+                    again = plain.prune(grad.clone(), error.clone(), step=step, buffer=bucket_state.index)
+                    assert torch.equal(threshold, again.threshold), f"step {step}: threshold of density {scheduled}"
+                    kept = reference.prune_with_error_feedback(grad, error, threshold, decay)
                     assert torch.equal(bucket_state.error, error), f"step {step}: error buffer"
                     assert int(bucket_state.last_prune.kept) == int(kept)
                     everyone = [torch.empty_like(grad) for _ in range(world)]
@@ -201,6 +215,12 @@ def test_error_feedback_holds_exactly_what_was_dropped(pools, distopt):
     assert sorted(set(checked)) == ["torch.bfloat16", "torch.float32"] and len(checked) == 6
 
 
+def test_density_warm_up_counts_from_the_first_sparse_reduction(pools):
+    """One dense reduction, then a warm-up of 2: steps 1, 2 prune to 0.05 ** (1/3, 2/3), step 3 on to 0.05."""
+    for checked in pools(2).run(_job_error_feedback, False, 0.7, 5, 2, 1):
+        assert len(checked) == 8  # 2 buckets x 4 sparse steps
+
+
 def test_enable_is_idempotent_and_disable_restores(megatron):
     group_class = megatron.param_and_grad_buffer._ParamAndGradBucketGroup
     original = group_class.start_grad_sync
@@ -229,8 +249,21 @@ def test_config_validates_and_takes_mappings():
         spccl_megatron.SpcclMegatronConfig(dense_iterations=-1)
     with pytest.raises(ValueError, match="density"):
         spccl_megatron.SpcclMegatronConfig(pruning={"density": 2.0})
+    with pytest.raises(ValueError, match="warmup_steps=-1"):
+        spccl_megatron.SpcclMegatronConfig(pruning={"warmup_steps": -1})
+    assert spccl_megatron.SpcclMegatronConfig(pruning={"warmup_steps": 7}).pruning.warmup_steps == 7
     with pytest.raises(TypeError, match="not both"):
         spccl_megatron.enable(spccl_megatron.SpcclMegatronConfig(), prune=False)
+
+
+def test_pretrain_passes_the_density_warm_up(monkeypatch):
+    from spccl_train.megatron import pretrain
+    from spccl_train.train.config import load_config
+
+    monkeypatch.setattr(pretrain.dist, "get_world_size", lambda group=None: 2)
+    cfg = load_config("tiny_cpu", ["spccl.warmup_steps=4", "spccl.dense_iterations=2"])
+    config = pretrain._spccl_config(cfg, local_world=2)
+    assert config.pruning.warmup_steps == 4 and config.dense_iterations == 2
 
 
 @pytest.mark.parametrize("version", ["0.16.1", "0.17.0", "0.19.2", "0.19.0rc1"])

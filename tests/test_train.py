@@ -45,6 +45,8 @@ def test_default_is_tiny_cpu_with_spccl_on_two_gloo_ranks():
         ("spccl: {format: zip}\n", "spccl.format='zip': expected one of auto, pici, coo, dense"),
         ("spccl: {density: 0}\n", "spccl.density=0.0: must be > 0.0"),
         ("spccl: {prune: 1}\n", "spccl.prune=1: expected true or false"),
+        ("spccl: {warmup_steps: -1}\n", "spccl.warmup_steps=-1: must be >= 0"),
+        ("spccl: {warmup_steps: 2.5}\n", "spccl.warmup_steps=2.5: expected an integer"),
         ("model: 3\n", "model: expected a mapping"),
         ("data: {seq_len: 4096}\n", "data.seq_len=4096 exceeds model.max_position=1024"),
         ("train: {iterations: 10, warmup_iterations: 10}\n", "train.warmup_iterations=10 leaves no iteration"),
@@ -218,6 +220,42 @@ def test_world_size_one_runs_in_process(tmp_path, monkeypatch):
         os.environ.pop(var, None)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 1 and len(_losses(run)) == 3
+
+
+def test_density_warm_up_reaches_the_hook(tmp_path, monkeypatch):
+    """spccl.warmup_steps=3 after one dense iteration: density ramps 1, ~0.32, ~0.1, ~0.03, then 0.01."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = _tiny(
+        tmp_path,
+        "warm",
+        "dist.nproc_per_node=1",
+        "spccl.warmup_steps=3",
+        "spccl.sample_fraction=0.2",
+        "train.iterations=6",
+        "train.warmup_iterations=4",
+        "output.plot=false",
+    )
+    run = launch(cfg, "tiny_cpu")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(var, None)
+    lines = (run / "iterations.csv").read_text().splitlines()
+    col = lines[0].split(",").index("density")
+    density = [float(line.split(",")[col]) for line in lines[1:]]
+    scheduled = [1.0, 0.01**0.25, 0.1, 0.01**0.75, 0.01, 0.01]
+    assert density[0] == 1.0  # the dense first iteration
+    for got, want in zip(density[1:], scheduled[1:], strict=True):
+        assert abs(got - want) <= 0.25 * want + 0.005, f"densities {density}, scheduled {scheduled}"
+    assert C.load_config(str(run / "config.yaml")).spccl.warmup_steps == 3
+    assert 0.005 < json.loads((run / "summary.json").read_text())["density"] < 0.02  # the last 2: density
+
+
+def test_shipped_spccl_configs_finish_the_warm_up_before_the_timed_iterations():
+    for name in ("gpt2_xl_spccl", "starcoder2_spccl"):
+        cfg = C.load_config(name)
+        s, t = cfg.spccl, cfg.train
+        assert s.warmup_steps > 0
+        assert s.dense_iterations + s.warmup_steps <= t.warmup_iterations, name
 
 
 def test_report_rejects_a_folder_that_is_not_a_run(tmp_path, capsys):

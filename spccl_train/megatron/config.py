@@ -25,8 +25,10 @@ class SpcclMegatronConfig:
     reduction of whatever the gradients hold (the same sums as Megatron's own, up to the order
     of floating-point additions)."""
     pruning: PruneConfig = dataclasses.field(default_factory=PruneConfig)
-    """Density kept, threshold sampling, error-feedback decay and error-buffer dtype. A mapping
-    with :class:`~spccl_train.pruning.PruneConfig`'s field names is accepted too."""
+    """Density kept, threshold sampling, error-feedback decay, error-buffer dtype and density
+    warm-up. A mapping with :class:`~spccl_train.pruning.PruneConfig`'s field names is accepted
+    too. The warm-up (``warmup_steps``) counts each bucket's reductions from its first sparse
+    one, after ``dense_iterations``, so that it starts when pruning does."""
     collective: CollectiveConfig = dataclasses.field(default_factory=CollectiveConfig)
     """Format, algorithm, thresholds, topology (``ranks_per_node``) and channels of the sparse
     all-reduce / reduce-scatter. A mapping with :class:`~spccl_train.collectives.CollectiveConfig`'s

@@ -480,6 +480,7 @@ def _spccl_config(cfg: ExperimentConfig, local_world: int):
             "decay": s.decay,
             "error_dtype": s.error_dtype,
             "seed": cfg.train.seed,
+            "warmup_steps": s.warmup_steps,
         },
         collective=CollectiveConfig(
             format=s.format,

@@ -178,7 +178,10 @@ class SpcclMegatronState:
             if state.error is None or state.error.shape != tensor.shape or state.error.device != tensor.device:
                 state.error = self.pruner.new_error_buffer(tensor)
             span = Span(tensor.device)
-            result = self.pruner.prune(tensor, state.error, step=state.reductions - 1, buffer=state.index)
+            step = state.reductions - 1
+            # The seed follows the reduction count; the density warm-up counts from the first sparse one.
+            schedule_step = step - self.config.dense_iterations
+            result = self.pruner.prune(tensor, state.error, step=step, buffer=state.index, schedule_step=schedule_step)
             span.stop()
             self._prune_spans.append(span)
             state.last_prune = result

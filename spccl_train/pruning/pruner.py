@@ -50,6 +50,11 @@ class PruneConfig:
     """Element type of the error buffers: ``float32``, ``bfloat16`` or ``float16``."""
     seed: int = 0
     """Base seed of the sampling RNG; step ``s`` of buffer ``b`` draws with a seed derived from all three."""
+    warmup_steps: int = 0
+    """Warm-up of the density (Deep Gradient Compression's "warm-up training"): over the first
+    ``warmup_steps`` pruned steps the kept fraction decays exponentially from 1 to ``density``,
+    so that training starts from nearly dense gradients. See :meth:`density_at`; 0: ``density``
+    from the first step."""
 
     def __post_init__(self) -> None:
         if not 0 < self.density <= 1:
@@ -60,6 +65,24 @@ class PruneConfig:
             raise ValueError(f"decay={self.decay} must be in [0, 1] (0 disables error feedback)")
         if self.error_dtype not in _ERROR_DTYPES:
             raise ValueError(f"error_dtype={self.error_dtype!r} must be one of {sorted(_ERROR_DTYPES)}")
+        n = self.warmup_steps
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"warmup_steps={n!r} must be an int >= 0 (0: prune to density from the first step)")
+
+    def density_at(self, step: int) -> float:
+        """Fraction kept at pruned step ``step`` (0: the first pruned step) under the warm-up.
+
+        ``density ** ((step + 1) / (warmup_steps + 1))`` for ``step < warmup_steps``, else exactly
+        ``density``: the log of the density falls linearly from 0 (density 1, one step before the
+        first) to ``log(density)`` at step ``warmup_steps``, i.e. each step keeps the same
+        fraction ``density ** (1 / (warmup_steps + 1))`` of the previous step's kept elements.
+        Density 0.01 over 3 steps keeps 31.6%, 10%, 3.2%, then 1% from step 3 on.
+        """
+        if step < 0:
+            raise ValueError(f"step={step} must be >= 0: count pruned steps from 0 (dense steps do not count)")
+        if step >= self.warmup_steps:
+            return self.density
+        return self.density ** ((step + 1) / (self.warmup_steps + 1))
 
     @property
     def error_torch_dtype(self) -> torch.dtype:
@@ -83,7 +106,8 @@ class Pruner:
     """Prunes gradient buffers in place with sampled top-k thresholds and leaky error feedback.
 
     Args:
-        config: a :class:`PruneConfig` (defaults: keep 1%, sample 0.1%, decay 0.9, fp32 errors).
+        config: a :class:`PruneConfig` (defaults: keep 1%, sample 0.1%, decay 0.9, fp32 errors,
+            no density warm-up).
 
     Example::
 
@@ -108,35 +132,59 @@ class Pruner:
         # Distinct, reproducible draws per (seed, step, buffer); kept within int32 for Triton.
         return (self.config.seed * 1_000_003 + step * 7_919 + buffer * 104_729) % (2**31 - 1)
 
-    def prune(self, grad: torch.Tensor, error: torch.Tensor, *, step: int, buffer: int = 0) -> PruneResult:
+    def prune(
+        self,
+        grad: torch.Tensor,
+        error: torch.Tensor,
+        *,
+        step: int,
+        buffer: int = 0,
+        schedule_step: int | None = None,
+    ) -> PruneResult:
         """Prune ``grad`` in place, folding in and refilling ``error``; no host synchronisation.
+
+        The fraction kept is ``config.density_at(schedule_step)`` (:meth:`PruneConfig.density_at`).
+        At density 1 the threshold is 0 and no sample is drawn: every element, zeros included, is
+        kept (the k-th largest of m samples with k = m would be the smallest sample, which other
+        elements can fall below), and the error buffer is emptied into ``grad``.
 
         Args:
             grad: contiguous float32 / bfloat16 / float16 gradient, any shape.
             error: its error buffer (same shape and device; dtype ``config.error_dtype``).
-            step: training step, for the sampling seed.
+            step: training step, for the sampling seed (and the density, unless ``schedule_step``).
             buffer: which buffer (e.g. a DDP bucket index), for the sampling seed.
+            schedule_step: pruned steps before this one, for the density warm-up
+                (:attr:`PruneConfig.warmup_steps`); ``None``: ``step``. Callers that reduce the
+                first steps densely pass ``step`` minus those, so that the warm-up starts when
+                pruning does.
         """
         self._check(grad, error)
         cfg = self.config
+        density = cfg.density_at(step if schedule_step is None else schedule_step)
         g, e = grad.view(-1), error.view(-1)
         n = g.numel()
         if n == 0:
             zero = torch.zeros(1, dtype=torch.float32, device=g.device)
             return PruneResult(threshold=zero, kept=zero.to(torch.int64), numel=0)
-        m = reference.sample_size(n, cfg.sample_fraction)
-        seed = self._seed(step, buffer)
-        if uses_triton(g):
-            from .prune_ef import prune_error_feedback
+        on_triton = uses_triton(g)
+        if density >= 1.0:
+            threshold = torch.zeros(1, dtype=torch.float32, device=g.device)
+        elif on_triton:
             from .threshold import sampled_threshold
 
-            threshold = sampled_threshold(g, e, m, reference.keep_count(m, cfg.density), seed)
-            kept = prune_error_feedback(g, e, threshold, cfg.decay)
+            m = reference.sample_size(n, cfg.sample_fraction)
+            threshold = sampled_threshold(g, e, m, reference.keep_count(m, density), self._seed(step, buffer))
         else:
-            generator = torch.Generator(device=g.device).manual_seed(seed)
+            m = reference.sample_size(n, cfg.sample_fraction)
+            generator = torch.Generator(device=g.device).manual_seed(self._seed(step, buffer))
             index = torch.randint(0, n, (m,), generator=generator, device=g.device)
             sample = (g[index].to(torch.float32) + e[index].to(torch.float32)).abs()
-            threshold = reference.threshold_from_sample(sample, cfg.density)
+            threshold = reference.threshold_from_sample(sample, density)
+        if on_triton:
+            from .prune_ef import prune_error_feedback
+
+            kept = prune_error_feedback(g, e, threshold, cfg.decay)
+        else:
             kept = reference.prune_with_error_feedback(g, e, threshold, cfg.decay)
         return PruneResult(threshold=threshold, kept=kept, numel=n)
 

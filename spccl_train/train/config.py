@@ -179,6 +179,11 @@ class SpcclConfig:
     """Algorithm of the sparse all-reduce."""
     dense_iterations: int = dataclasses.field(default=1, metadata=_at_least(1))
     """First iterations reduced densely (DDP rebuilds its buckets after the first)."""
+    warmup_steps: int = dataclasses.field(default=0, metadata=_at_least(0))
+    """Density warm-up (Deep Gradient Compression's): over this many sparse iterations, counted
+    from the first one after ``dense_iterations``, the kept fraction decays exponentially from 1
+    to ``density`` (``density ** ((s + 1) / (warmup_steps + 1))`` at sparse iteration ``s``);
+    ``density`` from iteration ``dense_iterations + warmup_steps`` on. 0: no warm-up."""
     overlap: str = dataclasses.field(default="off", metadata=_choices("auto", "on", "off"))
     """Prune and reduce buckets on a background thread and CUDA stream (``auto``: on GPUs only).
     Off by default: on 4 H200s it did not shorten GPT-2 XL / StarCoder2 iterations (see examples/)."""

@@ -149,6 +149,7 @@ def _hook(cfg: ExperimentConfig, model: torch.nn.parallel.DistributedDataParalle
         prune=s.prune,
         collective_config=collective,
         dense_iterations=s.dense_iterations,
+        warmup_steps=s.warmup_steps,
         seed=cfg.train.seed,
         overlap={"auto": None, "on": True, "off": False}[s.overlap],
     )
