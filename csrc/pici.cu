@@ -147,8 +147,9 @@ __global__ void __launch_bounds__(kThreads, SPCCL_COMPRESS_MIN_BLOCKS) pici_comp
 // columns 2l and 2l+1, holds their words and offsets in registers, and stores each row as one
 // coalesced pair per lane, gathering values at colprefix + popcount(word below the row).
 // Accumulation first stages the tile's run of A in shared memory (gathers there cost a few
-// bank conflicts where L1 replays per line; measured +10-15 points); overwrite gathers
-// straight from A through L1, which measured faster than staging's two barriers.
+// bank conflicts where L1 replays per line; measured +10-15 points) and then reads, adds and
+// writes only the marked elements of dst; overwrite gathers straight from A through L1, which
+// measured faster than staging's two barriers, and writes every element.
 template <typename V, typename D, bool kAccumulate>
 __global__ void __launch_bounds__(kThreads, kAccumulate ? 4 : 6) pici_decompress_kernel(
     const uint8_t* __restrict__ payload, int64_t capacity, int64_t n, int64_t tiles,
@@ -224,27 +225,26 @@ __global__ void __launch_bounds__(kThreads, kAccumulate ? 4 : 6) pici_decompress
       const int r = warp * kRows + i;
       const unsigned long long below = (1ull << r) - 1ull;
       if constexpr (kAccumulate) {
-        if (full) {
-          row[i].vec = *reinterpret_cast<const decltype(row[i].vec)*>(out + r * kTileRows);
-        } else {
-          row[i].e[0] = base + r * kTileRows + c0 < n ? out[r * kTileRows] : from_float<D>(0.f);
-          row[i].e[1] = base + r * kTileRows + c1 < n ? out[r * kTileRows + 1] : from_float<D>(0.f);
-        }
-        if ((w.x >> r) & 1ull) row[i].e[0] = from_float<D>(to_float(row[i].e[0]) + to_float(col0[__popcll(w.x & below)]));
-        if ((w.y >> r) & 1ull) row[i].e[1] = from_float<D>(to_float(row[i].e[1]) + to_float(col1[__popcll(w.y & below)]));
+        // Read-add-write the marked elements only: unmarked ones keep their bits, and at high
+        // sparsity most 32-byte sectors of dst are never touched (the whole-row form moved
+        // all of dst twice whatever the sparsity). Marked bits lie below n (checked above).
+        if ((w.x >> r) & 1ull) out[r * kTileRows] = from_float<D>(to_float(out[r * kTileRows]) + to_float(col0[__popcll(w.x & below)]));
+        if ((w.y >> r) & 1ull) out[r * kTileRows + 1] = from_float<D>(to_float(out[r * kTileRows + 1]) + to_float(col1[__popcll(w.y & below)]));
       } else {
         row[i].e[0] = (w.x >> r) & 1ull ? col0[__popcll(w.x & below)] : D(0);
         row[i].e[1] = (w.y >> r) & 1ull ? col1[__popcll(w.y & below)] : D(0);
       }
     }
+    if constexpr (!kAccumulate) {  // accumulation wrote in place above
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      const int r = warp * kRows + i;
-      if (full) {
-        *reinterpret_cast<decltype(row[i].vec)*>(out + r * kTileRows) = row[i].vec;
-      } else {
-        if (base + r * kTileRows + c0 < n) out[r * kTileRows] = row[i].e[0];
-        if (base + r * kTileRows + c1 < n) out[r * kTileRows + 1] = row[i].e[1];
+      for (int i = 0; i < kRows; ++i) {
+        const int r = warp * kRows + i;
+        if (full) {
+          *reinterpret_cast<decltype(row[i].vec)*>(out + r * kTileRows) = row[i].vec;
+        } else {
+          if (base + r * kTileRows + c0 < n) out[r * kTileRows] = row[i].e[0];
+          if (base + r * kTileRows + c1 < n) out[r * kTileRows + 1] = row[i].e[1];
+        }
       }
     }
   }

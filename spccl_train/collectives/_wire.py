@@ -94,14 +94,34 @@ def decode(
 
 
 class StatusSink:
-    """ORs the decoders' status words together on the device (0: every payload decoded cleanly)."""
+    """Collects the decoders' status words on the device (0: every payload decoded cleanly).
 
-    __slots__ = ("status",)
+    Each decoder returns its own status tensor; :meth:`collect` stacks them with one kernel at
+    the end of the call (on the calling stream, after the call's work), and :meth:`fold` ORs the
+    stack when someone reads it, so the hot path pays one launch per call, not one per decode.
+    """
+
+    __slots__ = ("_device", "_parts")
 
     def __init__(self, device: torch.device) -> None:
-        self.status = torch.zeros(1, dtype=torch.int32, device=device)
+        self._device = device
+        self._parts: list[torch.Tensor] = []
 
     def add(self, status: torch.Tensor | None) -> None:
-        """Fold in one decoder status (``None`` when the decoder checked it already)."""
+        """Keep one decoder status (``None`` when the decoder checked it already)."""
         if status is not None:
-            self.status.bitwise_or_(status.to(torch.int32))
+            self._parts.append(status)
+
+    def collect(self) -> torch.Tensor:
+        """Every status so far, stacked (an empty int32 tensor when there were none)."""
+        if not self._parts:
+            return torch.zeros(0, dtype=torch.int32, device=self._device)
+        return torch.stack([part.view(-1)[:1] for part in self._parts]).view(-1)
+
+    @staticmethod
+    def fold(statuses: torch.Tensor) -> torch.Tensor:
+        """OR of a :meth:`collect` result: a one-element int32 tensor."""
+        out = torch.zeros(1, dtype=torch.int32, device=statuses.device)
+        for status in statuses.to(torch.int32).unbind(0):
+            out.bitwise_or_(status)
+        return out

@@ -11,8 +11,10 @@ positions that are zero on every rank stay exactly zero.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -72,9 +74,14 @@ class CollectiveStats:
     """Bytes this rank put on the wire."""
     dense_bytes: int
     """Bytes this rank would have sent with a dense ring."""
-    decode_status: torch.Tensor | None
-    """OR of every decoder status on this rank, on the device (0: all payloads were intact)."""
+    _statuses: torch.Tensor | None
     _timer: Span
+
+    @property
+    def decode_status(self) -> torch.Tensor | None:
+        """OR of every decoder status on this rank, a one-element int32 tensor on the device (0: all
+        payloads were intact); ``None`` for local calls. Folded when read, off the hot path."""
+        return None if self._statuses is None else StatusSink.fold(self._statuses)
 
     @property
     def elapsed_s(self) -> float:
@@ -239,11 +246,15 @@ def _call(
     return CollectiveWork([output], stats, event) if async_op else None
 
 
-_transports: dict[object, P2PTransport] = {}
+_transports: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _transport(group: dist.ProcessGroup | None) -> P2PTransport:
-    """The group's transport, made once per group object (its rank and peers are fixed)."""
+    """The group's transport, made once per group object (its rank and peers are fixed).
+
+    Weakly keyed: holding a group would keep it alive past ``destroy_process_group``, and its
+    backend's threads past interpreter shutdown.
+    """
     if not (dist.is_available() and dist.is_initialized()):
         return P2PTransport(group)  # raises the not-initialised error
     key = group if group is not None else dist.group.WORLD
@@ -309,10 +320,14 @@ def _local_problems(
 
 def _layout(collective: str, inp: torch.Tensor, out: torch.Tensor, p: int, channels: int) -> ChunkLayout:
     if collective == "all_gather":
-        return ChunkLayout.equal(out.numel(), p, channels)
-    if collective == "reduce_scatter":
-        return ChunkLayout.equal(inp.numel(), p, channels)
-    return ChunkLayout.aligned(inp.numel(), p, channels)
+        return _cached_layout(False, out.numel(), p, channels)
+    return _cached_layout(collective == "all_reduce", inp.numel(), p, channels)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_layout(aligned: bool, numel: int, p: int, channels: int) -> ChunkLayout:
+    """Layouts are immutable and repeat from call to call (the same buckets every step)."""
+    return ChunkLayout.aligned(numel, p, channels) if aligned else ChunkLayout.equal(numel, p, channels)
 
 
 def _run(
@@ -353,7 +368,7 @@ def _run(
             gather_counts="",
             bytes_sent=0,
             dense_bytes=0,
-            decode_status=None,
+            _statuses=None,
             _timer=timer,
         )
         return stats, timer.stop()
@@ -423,7 +438,7 @@ def _run(
         gather_counts=choice.gather_counts,
         bytes_sent=sent,
         dense_bytes=dense,
-        decode_status=sink.status,
+        _statuses=sink.collect(),
         _timer=timer,
     )
     if r == 0 and _log.isEnabledFor(logging.DEBUG):

@@ -10,6 +10,7 @@ stream after it, so nothing here synchronises the host).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -39,7 +40,7 @@ class P2PTransport:
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("torch.distributed is not initialised: call torch.distributed.init_process_group first")
-        self.group = group if group is not None else dist.group.WORLD
+        self._group = weakref.ref(group if group is not None else dist.group.WORLD)
         self.rank = dist.get_rank(self.group)
         if self.rank < 0:
             raise ValueError("this process is not a member of the given process group; pass a group it belongs to")
@@ -47,6 +48,14 @@ class P2PTransport:
         self.backend = str(dist.get_backend(self.group))
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world)]
         self._devices = _devices_of(self.backend)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The process group (held weakly, so a cached transport never keeps a destroyed group alive)."""
+        group = self._group()
+        if group is None:
+            raise RuntimeError("the process group of this transport was destroyed; make a new transport")
+        return group
 
     def supports(self, device: torch.device) -> bool:
         """True when this group's backend moves tensors on ``device`` point to point."""
