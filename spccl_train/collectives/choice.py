@@ -78,7 +78,8 @@ def choose(
     ch = layout.channels
     native_only = config.format == "dense" and config.algorithm == "auto"
     candidates: list[Candidate] = []
-    if config.format == "auto" or native_only:
+    native_weighed = config.format == "auto" or native_only
+    if native_weighed:
         predicted = model.predict_native(collective, layout.numel, dtype, topology)
         candidates.append(Candidate("native", Format.DENSE, None, predicted))
     if not native_only:
@@ -136,7 +137,11 @@ def choose(
                 candidates.append(Candidate(algorithm, fmt, plan, best_gather[0], best_gather[1]))
     best = candidates[0]
     for candidate in candidates[1:]:
-        if candidate.predicted_s < best.predicted_s:
+        # A plan that sends nothing sparse is a dense collective run by SpCCL's own steps, which
+        # NCCL's native one does better: with the native candidate weighed, it never wins.
+        dominated = native_weighed and not any(m.sparse for m in candidate.plan.messages())
+        # Ties, up to rounding in the sums, go to the earlier candidate (native first).
+        if not dominated and candidate.predicted_s < best.predicted_s * (1 - 1e-9):
             best = candidate
     return best, {c.name: c.predicted_s for c in candidates}
 

@@ -91,12 +91,17 @@ class CostModel:
     exchange_s: float
     """One planning exchange: an all-gather of a few counts, a host synchronisation, and the
     host's planning and launching around it."""
+    step_s: float = 0.0
+    """Fixed cost of each step of a SpCCL plan (a ring step, a direct exchange): the host's
+    launches while the device, just synchronised, waits for them. The native collective is one
+    call and does not pay it."""
 
     def __post_init__(self) -> None:
         _positive(self, "reduce")
         _positive(self, "copy")
         _positive(self, "count")
         _positive(self, "exchange_s", allow_zero=True)
+        _positive(self, "step_s", allow_zero=True)
 
     @classmethod
     def default(cls, device: torch.device | str) -> CostModel:
@@ -109,10 +114,12 @@ class CostModel:
         CUDA (H200 measurements in ``GPU.md``, ``bench/results/`` and on 2 H200s): NVLink
         350 GB/s and 20 us per message; network 25 GB/s and 20 us (one 200 Gb/s NIC per GPU);
         Pici encode / decode / accumulate 1.0 / 1.2 / 0.8 TB/s (measured 2.1 / 2.5 / 1.6 TB/s on
-        64 MiB fp32), COO 0.8 / 0.6 / 0.6 TB/s; 15 us per codec call; dense sums 1 TB/s, copies
-        2 TB/s; the count pass 1 TB/s (measured 2.2 TB/s); 1 ms per planning exchange (the bare
-        all-gather and sync take about 70 us, but each exchange measured about 0.5 ms of host
-        time with the planning and launches around it).
+        64 MiB fp32), COO 0.8 / 0.6 / 0.6 TB/s; 40 us per codec call and 100 us per plan step
+        (fitted to the fixed costs of 64 and 256 MiB calls at 99.9% on 4 H200s, 2026-11-22:
+        about +0.45 ms for a direct all-reduce and +0.9 ms for a ring one over the native
+        call); dense sums 1 TB/s, copies 2 TB/s; the count pass 1 TB/s (measured 4.4 TB/s with
+        the Triton count); 0.5 ms per planning exchange (the native call through SpCCL measured
+        0.3-0.5 ms above NCCL's own at 64 MiB).
 
         CPU (gloo over TCP and the pure-torch reference codec): 1 GB/s and 100 us intra-node,
         0.5 GB/s and 200 us inter-node; Pici 0.05 / 0.1 / 0.1 GB/s, COO 0.25 / 0.5 / 0.5 GB/s,
@@ -122,12 +129,13 @@ class CostModel:
             return cls(
                 intra=LinkCost(latency_s=20e-6, bandwidth=350e9),
                 inter=LinkCost(latency_s=20e-6, bandwidth=25e9),
-                pici=CodecCost(compress=1.0e12, decompress=1.2e12, accumulate=0.8e12, call_s=15e-6),
-                coo=CodecCost(compress=0.8e12, decompress=0.6e12, accumulate=0.6e12, call_s=15e-6),
+                pici=CodecCost(compress=2.5e12, decompress=2.5e12, accumulate=2.0e12, call_s=40e-6),
+                coo=CodecCost(compress=1.5e12, decompress=1.2e12, accumulate=1.2e12, call_s=40e-6),
                 reduce=1.0e12,
                 copy=2.0e12,
-                count=1.0e12,
-                exchange_s=1e-3,
+                count=3.0e12,
+                exchange_s=0.5e-3,
+                step_s=100e-6,
             )
         return cls(
             intra=LinkCost(latency_s=100e-6, bandwidth=1e9),
@@ -169,6 +177,7 @@ class CostModel:
         """Predicted seconds for ``plan``, including ``exchanges`` planning exchanges and count passes."""
         total = self.planning(plan.collective, plan.layout.numel, plan.dtype, plan.world, exchanges)
         for step in plan.steps:
+            total += self.step_s
             if plan.algorithm == "ring":
                 total += self._ring_step(plan, step)
             else:
