@@ -18,8 +18,8 @@ Here, to check the script itself (CPU, 1 MiB, the reference codecs, host timer):
 
 Writes ``codecs_<device>_<date>.csv`` and a ``.png`` beside it (fraction of copy bandwidth
 against sparsity, one line per op and implementation, a panel per dtype at the largest size)
-into ``--out-dir``. ``sparsity`` is in percent. The commit is ``git rev-parse --short HEAD``,
-else ``$SPCCL_GIT_COMMIT``, else ``unknown``.
+into ``--out-dir``. ``sparsity`` is in percent. The commit is ``$SPCCL_GIT_COMMIT`` if set,
+else ``git rev-parse --short HEAD``, else ``unknown``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import os
 import pathlib
 import re
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -54,6 +53,7 @@ sys.path.insert(0, str(_REPO))
 
 from spccl_train import formats
 from spccl_train._ext import KernelsUnavailableError, load_kernels
+from spccl_train._provenance import git_commit
 
 __all__ = ["main"]
 
@@ -435,18 +435,6 @@ def _bench_case(dtype_name: str, size: int, sparsity: float, settings: _Settings
 # Reporting
 
 
-def _git_commit() -> str:
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], check=False, cwd=_REPO, capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
-        done = None
-    if done is not None and done.returncode == 0 and done.stdout.strip():
-        return done.stdout.strip()
-    return os.environ.get("SPCCL_GIT_COMMIT", "unknown")
-
-
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -651,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": now.isoformat(timespec="seconds"),
         "device": device_name,
         "torch": torch.__version__,
-        "commit": _git_commit(),
+        "commit": git_commit(),
     }
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     stem = settings.out_dir / f"codecs_{_slug(device_name)}_{now.date().isoformat()}"

@@ -69,7 +69,7 @@ Writes ``collectives_<device>x<world>_<date>.csv`` and speedup heatmaps like the
 ``nccl``, a panel per method; with a sweep also ``..._sweep.png``: rows the channel count and
 threshold scale, columns sparsity, at the largest size) into ``--out-dir``; only rank 0 writes
 and prints, and ends with issue 3's acceptance points. The commit is
-``git rev-parse --short HEAD``, else ``$SPCCL_GIT_COMMIT``, else ``unknown``.
+``$SPCCL_GIT_COMMIT`` if set, else ``git rev-parse --short HEAD``, else ``unknown``.
 """
 
 from __future__ import annotations
@@ -83,7 +83,6 @@ import os
 import pathlib
 import re
 import statistics
-import subprocess
 import sys
 import time
 import zlib
@@ -105,6 +104,7 @@ sys.path.insert(0, str(_REPO))
 
 import spccl_train
 from spccl_train._ext import KernelsUnavailableError, load_kernels
+from spccl_train._provenance import git_commit
 from spccl_train.collectives import DEFAULT_THRESHOLDS, CollectiveConfig, CollectiveStats, Thresholds, last_stats
 from spccl_train.formats import Format
 
@@ -870,18 +870,6 @@ def _run_case(case: _Case, methods: list[_Method], env: _Env, settings: _Setting
 # Reporting
 
 
-def _git_commit() -> str:
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], check=False, cwd=_REPO, capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
-        done = None
-    if done is not None and done.returncode == 0 and done.stdout.strip():
-        return done.stdout.strip()
-    return os.environ.get("SPCCL_GIT_COMMIT", "unknown")
-
-
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -1186,7 +1174,7 @@ def _main(settings: _Settings, env: _Env) -> int:
         "date": now.isoformat(timespec="seconds"),
         "device": device_name,
         "torch": torch.__version__,
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "world_size": env.world,
         "ranks_per_node": settings.ranks_per_node or env.world,
         "backend": env.backend,

@@ -29,7 +29,6 @@ import functools
 import itertools
 import os
 import pathlib
-import subprocess
 import sys
 import time
 
@@ -46,6 +45,7 @@ if "--smoke" in sys.argv[1:] or not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
+from spccl_train._provenance import git_commit  # noqa: E402
 from spccl_train.pruning import PruneConfig, Pruner, reference  # noqa: E402
 from spccl_train.pruning.prune_ef import prune_error_feedback  # noqa: E402
 from spccl_train.pruning.threshold import sampled_threshold  # noqa: E402
@@ -142,15 +142,6 @@ def _fresh_draws(grad: torch.Tensor, error: torch.Tensor, m: int, k: int):
     return lambda: sampled_threshold(grad, error, m, k, next(seeds))
 
 
-def _commit() -> str:
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("SPCCL_GIT_COMMIT", "unknown")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=(1 << 30) // 4, help="gradient elements (default 1 GiB of fp32)")
@@ -168,7 +159,7 @@ def main() -> None:
     timing = f"device, batches of {args.batch} behind a GPU sleep" if cuda else "host (no device timing on CPU)"
 
     copy_gbps = _copy_gbps(n, device, args.reps, cuda, device_timer)
-    print(f"device: {name}   torch {torch.__version__}   commit {_commit()}   {stamp}")
+    print(f"device: {name}   torch {torch.__version__}   commit {git_commit()}   {stamp}")
     print(f"copy bandwidth (read + write): {copy_gbps:.0f} GB/s; {n} elements per gradient")
     print(f"prune ms, sample ms: {timing}; host: one call between events, launch latency included\n")
     print(
@@ -199,7 +190,7 @@ def main() -> None:
             "date": stamp,
             "device": name,
             "torch": torch.__version__,
-            "commit": _commit(),
+            "commit": git_commit(),
             "numel": n,
             "grad_dtype": grad_name,
             "error_dtype": error_name,

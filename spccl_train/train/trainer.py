@@ -17,7 +17,6 @@ import math
 import os
 import pathlib
 import socket
-import subprocess
 import sys
 import time
 
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from .._provenance import git_commit
 from .. import ddp as spccl_ddp
 from ..collectives import CollectiveConfig
 from .config import ExperimentConfig, from_dict, to_dict
@@ -47,23 +47,6 @@ class IterationRecord:
     density: float
     bytes_sent: int
     dense_bytes: int
-
-
-def _commit() -> str:
-    if os.environ.get("SPCCL_GIT_COMMIT"):
-        return os.environ["SPCCL_GIT_COMMIT"]
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            check=False,
-            cwd=pathlib.Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def _free_port() -> int:
@@ -296,7 +279,7 @@ def finish_run(
         **extra,
         "tokens_per_iteration": world * cfg.train.micro_batch_size * cfg.data.seq_len,
         "torch": torch.__version__,
-        "commit": _commit(),
+        "commit": git_commit(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "data": {k: v for k, v in data.meta.items() if k != "files"},
