@@ -94,11 +94,16 @@ class SparseHookState:
             ``density_at(i - dense_iterations)``, and ``density`` itself from iteration
             ``dense_iterations + warmup_steps`` on. 0: ``density`` from the first sparse iteration.
         seed: base seed of the threshold sampling.
-        overlap: run pruning and the sparse all-reduce on a background thread and CUDA stream,
-            so that their planning synchronisations block neither the backward pass nor the host
-            thread launching it. ``None``: on for CUDA buckets, off on CPU. Off by default: on
-            4 H200s (GPT-2 XL, StarCoder2) it did not shorten iterations, as the planning's
-            Python work then competes with the backward pass for the interpreter lock.
+        overlap: where pruning and the sparse all-reduce run. ``False``: on the hook's thread
+            and the current stream, in line with the backward pass. ``"stream"``: on the hook's
+            thread but on a side CUDA stream that waits only for the bucket, so the collective's
+            kernels run beside the rest of the backward pass instead of in line with it (the
+            planning synchronisation still waits for the bucket). ``True``: on a background
+            thread and side stream, so the synchronisation blocks neither the backward pass
+            nor the host thread launching it. ``None``: ``True`` for CUDA buckets. On CPU every
+            mode but ``True`` runs in line. Off by default; ``examples/gpt2_xl`` has the 4 H200
+            measurements of each (the thread competes with the backward pass for the
+            interpreter lock).
     """
 
     __slots__ = (
@@ -112,6 +117,7 @@ class SparseHookState:
         # internal
         "iteration",
         "_reducer",
+        "_side_stream",
         "error_buffers",
         "last_prune",  # bucket index -> the latest PruneResult (threshold, kept)
         # statistics
@@ -139,7 +145,7 @@ class SparseHookState:
         dense_iterations: int = 1,
         warmup_steps: int = 0,
         seed: int = 0,
-        overlap: bool | None = False,
+        overlap: bool | str | None = False,
     ) -> None:
         if dense_iterations < 1:
             raise ValueError(
@@ -160,8 +166,11 @@ class SparseHookState:
         )
         self.collective_config = collective_config or CollectiveConfig(format=format, algorithm=algorithm)
         self.dense_iterations = dense_iterations
+        if overlap not in (True, False, None, "stream"):
+            raise ValueError(f"overlap={overlap!r} must be False, True, None (True on CUDA) or 'stream'")
         self.overlap = overlap
         self._reducer: _Reducer | None = None
+        self._side_stream: torch.cuda.Stream | None = None
         self.iteration = 0
         self.error_buffers: dict[int, torch.Tensor] = {}
         self.last_prune: dict[int, PruneResult] = {}
@@ -198,11 +207,16 @@ class SparseHookState:
         return error
 
     def __getstate__(self) -> dict:
-        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in ("process_group", "_reducer")}
+        return {
+            slot: getattr(self, slot)
+            for slot in self.__slots__
+            if slot not in ("process_group", "_reducer", "_side_stream")
+        }
 
     def __setstate__(self, state: dict) -> None:
         self.process_group = None
         self._reducer = None
+        self._side_stream = None
         for slot, value in state.items():
             setattr(self, slot, value)
 
@@ -288,7 +302,9 @@ def sparse_allreduce_hook(state: SparseHookState, bucket: dist.GradBucket) -> to
         return future.then(lambda fut: fut.value()[0].div_(world))
     index = bucket.index()
     overlap = state.overlap if state.overlap is not None else buffer.is_cuda
-    if not overlap:
+    if overlap == "stream" and buffer.is_cuda:
+        return _reduce_on_side_stream(state, buffer, index, iteration, group, world)
+    if not overlap or overlap == "stream":
         future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
         future.set_result(_reduce_sparse(state, buffer, index, iteration, group, world))
         return future
@@ -299,6 +315,23 @@ def sparse_allreduce_hook(state: SparseHookState, bucket: dist.GradBucket) -> to
         ready = torch.cuda.Event()
         ready.record()
     return state._reducer.submit(lambda: _reduce_sparse(state, buffer, index, iteration, group, world), ready)
+
+
+def _reduce_on_side_stream(
+    state: SparseHookState, buffer: torch.Tensor, index: int, iteration: int, group: dist.ProcessGroup, world: int
+) -> torch.futures.Future:
+    """Reduce on the state's side stream after the bucket is ready; DDP's wait orders the result."""
+    stream = state._side_stream
+    if stream is None or stream.device != buffer.device:
+        stream = state._side_stream = torch.cuda.Stream(buffer.device)
+    ready = torch.cuda.Event()
+    ready.record()  # the bucket's gradients are complete on the current stream
+    future = torch.futures.Future(devices=[buffer.device])
+    with torch.cuda.stream(stream):
+        stream.wait_event(ready)
+        result = _reduce_sparse(state, buffer, index, iteration, group, world)
+        future.set_result(result)  # records an event on the side stream for DDP to wait on
+    return future
 
 
 class DenseHookState:

@@ -42,7 +42,7 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 # ----------------------------------------------------------------------------- jobs (run on every rank)
 
 
-def _job_matches_default_ddp(rank: int, world: int, steps: int, overlap: bool | None = None) -> int:
+def _job_matches_default_ddp(rank: int, world: int, steps: int, overlap: bool | str | None = None) -> int:
     reference = DDP(_model(SEED), bucket_cap_mb=0.03)
     hooked = DDP(_model(SEED), bucket_cap_mb=0.03)
     state = SparseHookState(prune=False, format="pici", overlap=overlap)
@@ -159,10 +159,17 @@ def test_without_pruning_gradients_equal_default_ddp(pools, world):
     assert min(calls) > 0
 
 
-def test_background_reducer_gives_the_same_gradients(pools):
-    """``overlap=True`` (the CUDA default) reduces buckets in order on a background thread."""
-    calls = pools(2).run(_job_matches_default_ddp, 4, True)
+@pytest.mark.parametrize("overlap", [True, "stream"])
+def test_background_reducer_gives_the_same_gradients(pools, overlap):
+    """``overlap=True`` reduces buckets in order on a background thread; ``"stream"`` (a CUDA
+    side stream) runs in line on CPU."""
+    calls = pools(2).run(_job_matches_default_ddp, 4, overlap)
     assert min(calls) > 0
+
+
+def test_overlap_must_be_a_known_mode():
+    with pytest.raises(ValueError, match="overlap='side'"):
+        SparseHookState(overlap="side")
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -35,17 +35,20 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     failures = []
     try:
         g = torch.Generator(device=device).manual_seed(10 + rank)
-        # Pruning off: the same gradients as default DDP.
-        reference = DDP(_model(device), device_ids=[rank], bucket_cap_mb=0.5)
-        hooked = DDP(_model(device), device_ids=[rank], bucket_cap_mb=0.5)
-        hooked.register_comm_hook(SparseHookState(prune=False, format="pici"), sparse_allreduce_hook)
-        for _ in range(3):
-            x = torch.randn(32, 64, device=device, generator=g)
-            for model in (reference, hooked):
-                model.zero_grad()
-                model(x).square().mean().backward()
-            for a, b in zip(reference.parameters(), hooked.parameters(), strict=True):
-                torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
+        # Pruning off: the same gradients as default DDP, in line, on a side stream, on a thread.
+        for overlap in (False, "stream", True):
+            reference = DDP(_model(device), device_ids=[rank], bucket_cap_mb=0.5)
+            hooked = DDP(_model(device), device_ids=[rank], bucket_cap_mb=0.5)
+            hooked.register_comm_hook(
+                SparseHookState(prune=False, format="pici", overlap=overlap), sparse_allreduce_hook
+            )
+            for _ in range(3):
+                x = torch.randn(32, 64, device=device, generator=g)
+                for model in (reference, hooked):
+                    model.zero_grad()
+                    model(x).square().mean().backward()
+                for a, b in zip(reference.parameters(), hooked.parameters(), strict=True):
+                    torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=f"overlap={overlap}")
         # Pruned training, bf16 model too: runs, stays finite, keeps about 1%, sends less than dense
         # (Pici ring forced: with buckets this small, "auto" rightly picks dense).
         for dtype in (torch.float32, torch.bfloat16):

@@ -184,9 +184,11 @@ class SpcclConfig:
     from the first one after ``dense_iterations``, the kept fraction decays exponentially from 1
     to ``density`` (``density ** ((s + 1) / (warmup_steps + 1))`` at sparse iteration ``s``);
     ``density`` from iteration ``dense_iterations + warmup_steps`` on. 0: no warm-up."""
-    overlap: str = dataclasses.field(default="off", metadata=_choices("auto", "on", "off"))
-    """Prune and reduce buckets on a background thread and CUDA stream (``auto``: on GPUs only).
-    Off by default: on 4 H200s it did not shorten GPT-2 XL / StarCoder2 iterations (see examples/)."""
+    overlap: str = dataclasses.field(default="off", metadata=_choices("auto", "on", "off", "stream"))
+    """Where buckets are pruned and reduced: ``off`` in line on the current stream, ``stream`` on a
+    side CUDA stream from the hook's thread, ``on`` on a background thread and side stream
+    (``auto``: ``on`` on GPUs). Off by default; the 4 H200 measurements of each are in
+    examples/gpt2_xl."""
 
 
 @dataclasses.dataclass

@@ -134,7 +134,7 @@ def _hook(cfg: ExperimentConfig, model: torch.nn.parallel.DistributedDataParalle
         dense_iterations=s.dense_iterations,
         warmup_steps=s.warmup_steps,
         seed=cfg.train.seed,
-        overlap={"auto": None, "on": True, "off": False}[s.overlap],
+        overlap={"auto": None, "on": True, "off": False, "stream": "stream"}[s.overlap],
     )
     model.register_comm_hook(state, spccl_ddp.sparse_allreduce_hook)
     return state
