@@ -17,6 +17,7 @@ suits dense NCCL; with SpCCL use ``bucket_cap_mb=256`` (:data:`RECOMMENDED_BUCKE
 fewer if you need more overlap of communication with the backward pass.
 """
 
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -96,14 +97,21 @@ class SparseHookState:
         seed: base seed of the threshold sampling.
         overlap: where pruning and the sparse all-reduce run. ``False``: on the hook's thread
             and the current stream, in line with the backward pass. ``"stream"``: on the hook's
-            thread but on a side CUDA stream that waits only for the bucket, so the collective's
-            kernels run beside the rest of the backward pass instead of in line with it (the
-            planning synchronisation still waits for the bucket). ``True``: on a background
+            thread, pruning, counting and the planning exchange on one side CUDA stream and the
+            transfers and codecs on another, both waiting only for the bucket, so the
+            collective's kernels run beside the rest of the backward pass instead of in line
+            with it (the planning synchronisation still waits for the bucket's pruning). ``True``: on a background
             thread and side stream, so the synchronisation blocks neither the backward pass
             nor the host thread launching it. ``None``: ``True`` for CUDA buckets. On CPU every
             mode but ``True`` runs in line. Off by default; ``examples/gpt2_xl`` has the 4 H200
             measurements of each (the thread competes with the backward pass for the
             interpreter lock).
+        planning_group: ``overlap="stream"`` only: a group of the same ranks as ``process_group``
+            on which the planning exchanges run, so that planning a bucket does not wait for the
+            previous bucket's transfers (NCCL runs one group's operations in order). ``None``:
+            made over the world on first use when reducing over the world; with another
+            ``process_group`` pass one (made on every rank of the world), else the exchanges
+            share ``process_group``. Not pickled.
     """
 
     __slots__ = (
@@ -117,7 +125,8 @@ class SparseHookState:
         # internal
         "iteration",
         "_reducer",
-        "_side_stream",
+        "_streams",
+        "planning_group",
         "error_buffers",
         "last_prune",  # bucket index -> the latest PruneResult (threshold, kept)
         # statistics
@@ -146,6 +155,7 @@ class SparseHookState:
         warmup_steps: int = 0,
         seed: int = 0,
         overlap: bool | str | None = False,
+        planning_group: dist.ProcessGroup | None = None,
     ) -> None:
         if dense_iterations < 1:
             raise ValueError(
@@ -170,7 +180,8 @@ class SparseHookState:
             raise ValueError(f"overlap={overlap!r} must be False, True, None (True on CUDA) or 'stream'")
         self.overlap = overlap
         self._reducer: _Reducer | None = None
-        self._side_stream: torch.cuda.Stream | None = None
+        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
+        self.planning_group = planning_group
         self.iteration = 0
         self.error_buffers: dict[int, torch.Tensor] = {}
         self.last_prune: dict[int, PruneResult] = {}
@@ -199,6 +210,20 @@ class SparseHookState:
             allreduce_seconds=sum(stats.elapsed_s for stats in self._allreduce_spans),
         )
 
+    def _side_streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """``(planning, data)`` streams of ``overlap="stream"``, made once."""
+        if self._streams is None or self._streams[0].device != device:
+            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self._streams
+
+    def _planning_group_for(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
+        """The group planning exchanges run on: ``planning_group``, or one made once over the world."""
+        if self.planning_group is None:
+            if group is not dist.group.WORLD:
+                return group  # a new group needs every rank of the world: the caller must pass one
+            self.planning_group = dist.new_group()
+        return self.planning_group
+
     def error_buffer(self, index: int, bucket_buffer: torch.Tensor) -> torch.Tensor:
         """The error buffer of bucket ``index`` (made, or remade if the bucket changed shape)."""
         error = self.error_buffers.get(index)
@@ -216,7 +241,8 @@ class SparseHookState:
     def __setstate__(self, state: dict) -> None:
         self.process_group = None
         self._reducer = None
-        self._side_stream = None
+        self._streams = None
+        self.planning_group = None
         for slot, value in state.items():
             setattr(self, slot, value)
 
@@ -257,21 +283,39 @@ class _Reducer:
 
 
 def _reduce_sparse(
-    state: SparseHookState, buffer: torch.Tensor, index: int, iteration: int, group: dist.ProcessGroup, world: int
+    state: SparseHookState,
+    buffer: torch.Tensor,
+    index: int,
+    iteration: int,
+    group: dist.ProcessGroup,
+    world: int,
+    planning_group: dist.ProcessGroup | None = None,
+    planning_stream: torch.cuda.Stream | None = None,
 ) -> torch.Tensor:
-    if state.prune:
-        # The seed follows the iteration; the density warm-up counts from the first sparse one.
-        schedule_step = iteration - state.dense_iterations
-        span = Span(buffer.device)
-        error = state.error_buffer(index, buffer)
-        result = state.pruner.prune(buffer, error, step=iteration, buffer=index, schedule_step=schedule_step)
-        span.stop()
-        state._prune_spans.append(span)
-        state.last_prune[index] = result
-        state._kept = state._kept + result.kept
-    else:
-        state._kept = state._kept + buffer.numel()
-    work = all_reduce(buffer, group=group, async_op=True, config=state.collective_config)
+    with torch.cuda.stream(planning_stream) if planning_stream is not None else contextlib.nullcontext():
+        if state.prune:
+            span = Span(buffer.device)
+            result = state.pruner.prune(
+                buffer,
+                state.error_buffer(index, buffer),
+                step=iteration,
+                buffer=index,
+                schedule_step=iteration - state.dense_iterations,
+            )
+            span.stop()
+            state._prune_spans.append(span)
+            state.last_prune[index] = result
+            state._kept = state._kept + result.kept
+        else:
+            state._kept = state._kept + buffer.numel()
+    work = all_reduce(
+        buffer,
+        group=group,
+        async_op=True,
+        config=state.collective_config,
+        planning_group=planning_group,
+        planning_stream=planning_stream,
+    )
     stats = work.stats
     state._sparse_calls += 1
     state._elements += buffer.numel()
@@ -320,17 +364,23 @@ def sparse_allreduce_hook(state: SparseHookState, bucket: dist.GradBucket) -> to
 def _reduce_on_side_stream(
     state: SparseHookState, buffer: torch.Tensor, index: int, iteration: int, group: dist.ProcessGroup, world: int
 ) -> torch.futures.Future:
-    """Reduce on the state's side stream after the bucket is ready; DDP's wait orders the result."""
-    stream = state._side_stream
-    if stream is None or stream.device != buffer.device:
-        stream = state._side_stream = torch.cuda.Stream(buffer.device)
+    """Prune, count and plan on one side stream, transfer and decode on another; DDP's wait orders the result.
+
+    Both streams wait only for the bucket; the planning exchange runs on a second process group
+    of the same ranks, so planning bucket ``k + 1`` (a host synchronisation) waits neither for
+    the backward pass after it nor for bucket ``k``'s transfers.
+    """
+    planning, data = state._side_streams(buffer.device)
     ready = torch.cuda.Event()
     ready.record()  # the bucket's gradients are complete on the current stream
+    planning.wait_event(ready)
+    data.wait_event(ready)
     future = torch.futures.Future(devices=[buffer.device])
-    with torch.cuda.stream(stream):
-        stream.wait_event(ready)
-        result = _reduce_sparse(state, buffer, index, iteration, group, world)
-        future.set_result(result)  # records an event on the side stream for DDP to wait on
+    with torch.cuda.stream(data):
+        result = _reduce_sparse(
+            state, buffer, index, iteration, group, world, state._planning_group_for(group), planning
+        )
+        future.set_result(result)  # records an event on the data stream for DDP to wait on
     return future
 
 

@@ -533,6 +533,31 @@ def test_async_handles(pools):
     assert pools(3).run(_job_async, _seed("async")) == [True] * 3
 
 
+def _job_planning_group(rank, world, seed):
+    # the planning exchange on a second group of the same ranks; a group of other ranks is refused
+    second = dist.new_group()
+    xs = _inputs(seed, world, world * 3000 + 17, torch.float32, 0.99, "random")
+    for fmt, algorithm in (("pici", "direct"), ("coo", "ring"), ("auto", "auto")):
+        t = xs[rank].clone()
+        cfg = CollectiveConfig(format=fmt, algorithm=algorithm)
+        spccl_train.all_reduce(t, config=cfg, planning_group=second)
+        _check_sum(t, xs, f"all_reduce planned on a second group {fmt}/{algorithm}")
+        gathered = torch.empty(world * xs.shape[1])
+        spccl_train.all_gather_into_tensor(gathered, xs[rank].clone(), config=cfg, planning_group=second)
+        assert torch.equal(gathered, xs.reshape(-1))
+    alone = dist.new_group([rank], use_local_synchronization=True)
+    try:
+        spccl_train.all_reduce(xs[rank].clone(), planning_group=alone)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_planning_group(pools):
+    messages = pools(2).run(_job_planning_group, _seed("planning group"))
+    assert all("planning_group has 1 ranks" in m for m in messages), messages
+
+
 def _job_in_place(rank, world, seed):
     m = TILE + 5
     for algorithm in ALGORITHMS:

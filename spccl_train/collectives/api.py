@@ -10,6 +10,7 @@ positions that are zero on every rank stay exactly zero.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -143,6 +144,9 @@ def all_gather_into_tensor(
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
     config: CollectiveConfig | None = None,
+    *,
+    planning_group: dist.ProcessGroup | None = None,
+    planning_stream: torch.cuda.Stream | None = None,
 ) -> CollectiveWork | None:
     """Gather every rank's ``input`` into ``output`` (rank ``q``'s at ``q * input.numel()``), sparsely.
 
@@ -153,6 +157,13 @@ def all_gather_into_tensor(
         group: the process group (default: the world).
         async_op: return a :class:`CollectiveWork` instead of ``None``.
         config: format, algorithm, thresholds, topology, channels; equal on every rank.
+        planning_group: a group of the same ranks for the planning exchange (default: ``group``).
+            NCCL runs one group's operations in order, so on ``group`` the exchange of this call
+            waits for the transfers of the previous one; a second group lets it go ahead.
+        planning_stream: CUDA only: the stream the count pass and planning exchange run on
+            (default: the current stream). ``input`` must be ready on it; the transfers and
+            codecs run on the current stream, after it. With ``planning_group`` this lets a
+            caller plan call ``k + 1`` while call ``k``'s kernels are still queued.
 
     Returns:
         A :class:`CollectiveWork` when ``async_op``, else ``None``.
@@ -162,7 +173,7 @@ def all_gather_into_tensor(
         >>> out = torch.empty(world * g.numel(), device=g.device)
         >>> spccl_train.all_gather_into_tensor(out, g, config=CollectiveConfig(format="pici"))
     """
-    return _call("all_gather", output, input, group, async_op, config)
+    return _call("all_gather", output, input, group, async_op, config, planning_group, planning_stream)
 
 
 def reduce_scatter_tensor(
@@ -173,6 +184,8 @@ def reduce_scatter_tensor(
     config: CollectiveConfig | None = None,
     *,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    planning_group: dist.ProcessGroup | None = None,
+    planning_stream: torch.cuda.Stream | None = None,
 ) -> CollectiveWork | None:
     """Sum ``input`` over ranks and leave slice ``rank`` of the sum in ``output``, sparsely.
 
@@ -181,7 +194,7 @@ def reduce_scatter_tensor(
             this rank's slice of ``input`` (in place).
         input: contiguous float32 / bfloat16 / float16 tensor; never modified (unless ``output``
             is its slice).
-        group, async_op, config: as for :func:`all_gather_into_tensor`.
+        group, async_op, config, planning_group, planning_stream: as for :func:`all_gather_into_tensor`.
         op: only ``ReduceOp.SUM``.
 
     Example::
@@ -190,7 +203,7 @@ def reduce_scatter_tensor(
         >>> spccl_train.reduce_scatter_tensor(shard, g)
     """
     _check_op(op, "reduce_scatter_tensor")
-    return _call("reduce_scatter", output, input, group, async_op, config)
+    return _call("reduce_scatter", output, input, group, async_op, config, planning_group, planning_stream)
 
 
 def all_reduce(
@@ -200,12 +213,14 @@ def all_reduce(
     config: CollectiveConfig | None = None,
     *,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    planning_group: dist.ProcessGroup | None = None,
+    planning_stream: torch.cuda.Stream | None = None,
 ) -> CollectiveWork | None:
     """Sum ``tensor`` over ranks, in place, sparsely.
 
     Args:
         tensor: contiguous float32 / bfloat16 / float16 tensor, any shape; holds the sum after.
-        group, async_op, config: as for :func:`all_gather_into_tensor`.
+        group, async_op, config, planning_group, planning_stream: as for :func:`all_gather_into_tensor`.
         op: only ``ReduceOp.SUM``.
 
     Example::
@@ -213,7 +228,7 @@ def all_reduce(
         >>> spccl_train.all_reduce(grad, config=CollectiveConfig(format="pici", ranks_per_node=4))
     """
     _check_op(op, "all_reduce")
-    return _call("all_reduce", tensor, tensor, group, async_op, config)
+    return _call("all_reduce", tensor, tensor, group, async_op, config, planning_group, planning_stream)
 
 
 def _check_op(op: object, api: str) -> None:
@@ -230,6 +245,8 @@ def _call(
     group: dist.ProcessGroup | None,
     async_op: bool,
     config: CollectiveConfig | None,
+    planning_group: dist.ProcessGroup | None = None,
+    planning_stream: torch.cuda.Stream | None = None,
 ) -> CollectiveWork | None:
     for name, t in (("output", output), ("input", input)):
         if not isinstance(t, torch.Tensor):
@@ -240,8 +257,18 @@ def _call(
         raise TypeError(f"config must be a CollectiveConfig or None, got {type(config).__name__}")
     config.validate()
     transport = _transport(group)
+    planner = transport if planning_group is None else _transport(planning_group)
+    if (planner.world, planner.rank) != (transport.world, transport.rank):
+        raise ValueError(
+            f"planning_group has {planner.world} ranks with this one as rank {planner.rank}, but group has "
+            f"{transport.world} with it as rank {transport.rank}; pass a group of the same ranks in the same order"
+        )
+    if planning_stream is not None and not isinstance(planning_stream, torch.cuda.Stream):
+        raise TypeError(f"planning_stream must be a torch.cuda.Stream or None, got {type(planning_stream).__name__}")
+    if planning_stream is not None and not input.is_cuda:
+        planning_stream = None  # CPU work is ordered by the host
     with torch.no_grad():
-        stats, event = _run(collective, transport, config, input, output)
+        stats, event = _run(collective, transport, config, input, output, planner, planning_stream)
     _local.stats = stats
     return CollectiveWork([output], stats, event) if async_op else None
 
@@ -331,7 +358,13 @@ def _cached_layout(aligned: bool, numel: int, p: int, channels: int) -> ChunkLay
 
 
 def _run(
-    collective: str, transport: P2PTransport, config: CollectiveConfig, inp: torch.Tensor, out: torch.Tensor
+    collective: str,
+    transport: P2PTransport,
+    config: CollectiveConfig,
+    inp: torch.Tensor,
+    out: torch.Tensor,
+    planner: P2PTransport,
+    planning_stream: torch.cuda.Stream | None,
 ) -> tuple[CollectiveStats, torch.cuda.Event | None]:
     p, r = transport.world, transport.rank
     timer = Span(inp.device)
@@ -375,12 +408,15 @@ def _run(
 
     x = inp.view(-1) if not problems else inp
     counts = None
-    if not problems:
-        if collective == "all_gather":
-            counts = count_nonzero_pieces(x, layout, [r], base=layout.chunks[r].start)
-        else:
-            counts = count_nonzero_pieces(x, layout)
-    table, xdev = exchange_counts(transport, request, counts, p * config.channels)
+    with torch.cuda.stream(planning_stream) if planning_stream is not None else contextlib.nullcontext():
+        if not problems:
+            if collective == "all_gather":
+                counts = count_nonzero_pieces(x, layout, [r], base=layout.chunks[r].start)
+            else:
+                counts = count_nonzero_pieces(x, layout)
+        table, xdev = exchange_counts(planner, request, counts, p * config.channels)
+    if planning_stream is not None:  # what the planning stream waited for, the transfers wait for too
+        torch.cuda.current_stream(inp.device).wait_stream(planning_stream)
     # From here on every rank holds the same valid table and computes the same decisions.
     topology = Topology(p, config.ranks_per_node)
     model = config.cost_model or _default_model(inp.device)
