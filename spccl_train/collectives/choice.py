@@ -75,7 +75,6 @@ def choose(
         layout, dtype, topology: the call's chunks, element type and nodes.
         model: the cost model.
     """
-    ch = layout.channels
     native_only = config.format == "dense" and config.algorithm == "auto"
     candidates: list[Candidate] = []
     native_weighed = config.format == "auto" or native_only
@@ -88,29 +87,10 @@ def choose(
         for fmt in formats:
             th = config.thresholds.resolve(fmt)
             for algorithm in algorithms:
-                if collective == "all_gather":
-                    plan = plan_all_gather(
-                        [row[:ch] for row in counts],
-                        layout,
-                        dtype,
-                        fmt=fmt,
-                        algorithm=algorithm,
-                        threshold=th.ag,
-                        topology=topology,
-                    )
-                    candidates.append(Candidate(algorithm, fmt, plan, model.predict(plan)))
-                    continue
-                plan = plan_reduce_scatter(
-                    counts,
-                    layout,
-                    dtype,
-                    fmt=fmt,
-                    algorithm=algorithm,
-                    thresholds=th,
-                    topology=topology,
-                    collective=collective,
+                plan = plan_candidate(
+                    Candidate(algorithm, fmt, None, 0.0), collective, config, counts, layout, dtype, topology
                 )
-                if collective == "reduce_scatter":
+                if collective != "all_reduce":
                     candidates.append(Candidate(algorithm, fmt, plan, model.predict(plan)))
                     continue
                 best_gather: tuple[float, str] | None = None

@@ -24,11 +24,11 @@ piece is the unit of every message and of every nonzero count.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import torch
 
+from .._triton import triton_importable
 from ..formats import SUPPORTED_DTYPES, TILE, Format, compress_into, pici_metadata_bytes, uses_kernels
 
 __all__ = ["Span", "ChunkLayout", "split_span", "unit_for", "SMALL_UNIT", "count_nonzero_pieces"]
@@ -164,18 +164,9 @@ def count_nonzero_pieces(
     return out
 
 
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _counts_with_triton(flat: torch.Tensor) -> bool:
     """CUDA tensors with Triton installed (tests run :func:`._count.count_ranges` in Triton's interpreter)."""
-    return flat.is_cuda and _triton_importable()
+    return flat.is_cuda and triton_importable()
 
 
 def _count_with_encoder(flat: torch.Tensor, layout: ChunkLayout, chunks: list[int], base: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ __all__ = [
     "coo_decode",
 ]
 
+
 class DecodeStatus(enum.IntFlag):
     """Bits of the status a decoder reports (``csrc/spccl.h`` uses the same values)."""
 
@@ -82,8 +83,7 @@ def _range(name: str, t: torch.Tensor, offset: int, n: int | None) -> int:
         n = t.numel() - offset
     if offset < 0 or n < 0 or offset + n > t.numel():
         raise ValueError(
-            f"range [{offset}, {offset + n}) of {name} is outside its {t.numel()} elements; "
-            "check offset and n"
+            f"range [{offset}, {offset + n}) of {name} is outside its {t.numel()} elements; check offset and n"
         )
     check_length(n)
     return n
@@ -199,8 +199,7 @@ def decompress_into(
     check_dtype(dtype)
     if dtype != dst.dtype and not (accumulate and dst.dtype == torch.float32):
         raise TypeError(
-            f"cannot decode {dtype} values into a {dst.dtype} tensor; only accumulation into float32 "
-            "mixes types"
+            f"cannot decode {dtype} values into a {dst.dtype} tensor; only accumulation into float32 mixes types"
         )
     n = _range("dst", dst, offset, n)
     if payload.device != dst.device:

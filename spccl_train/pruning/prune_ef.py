@@ -38,7 +38,9 @@ def _prune_error_feedback_kernel(grad_ptr, error_ptr, threshold_ptr, kept_ptr, n
     tl.atomic_add(kept_ptr, tl.sum(keep.to(tl.int32), axis=0), sem="relaxed")
 
 
-def prune_error_feedback(grad: torch.Tensor, error: torch.Tensor, threshold: torch.Tensor, decay: float) -> torch.Tensor:
+def prune_error_feedback(
+    grad: torch.Tensor, error: torch.Tensor, threshold: torch.Tensor, decay: float
+) -> torch.Tensor:
     """Prune ``grad`` in place against ``threshold`` (a one-element fp32 device tensor), moving
     what is dropped, times ``decay``, into ``error``; return the kept count (int32[1] on device).
 

@@ -8,11 +8,11 @@ torch reference, or the Triton kernels in Triton's interpreter when ``TRITON_INT
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import torch
 
+from .._triton import triton_importable
 from . import reference
 
 __all__ = ["PruneConfig", "PruneResult", "Pruner", "uses_triton"]
@@ -21,19 +21,10 @@ _ERROR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def uses_triton(t: torch.Tensor) -> bool:
     """True when pruning ``t`` runs the Triton kernels (CUDA, or the interpreter on CPU)."""
     on_device = t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return on_device and _triton_importable()
+    return on_device and triton_importable()
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
