@@ -31,7 +31,6 @@ import datetime
 import math
 import os
 import pathlib
-import re
 import statistics
 import sys
 import time
@@ -51,6 +50,8 @@ for _var, _value in (
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_REPO))
 
+import benchlib  # noqa: E402 (a sibling module: the script's folder is on sys.path)
+
 from spccl_train import formats
 from spccl_train._ext import KernelsUnavailableError, load_kernels
 from spccl_train._provenance import git_commit
@@ -59,7 +60,6 @@ __all__ = ["main"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _OPS = ("compress", "decompress", "accumulate")
 _IMPLS = ("pici", "coo", "torch")
 _TARGET_FRAC_COPY = 0.75
@@ -120,13 +120,6 @@ class _Row:
 # Arguments
 
 
-def _parse_size(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text, re.IGNORECASE)
-    if not match:
-        raise argparse.ArgumentTypeError(f"size {text!r} is not like 64M, 256M or 1G (binary units)")
-    return int(match.group(1)) * _UNITS.get(match.group(2).upper(), 1)
-
-
 def _parse_list(text: str, parse: Callable[[str], object]) -> list:
     return [parse(item) for item in text.split(",") if item.strip()]
 
@@ -138,21 +131,16 @@ def _parse_dtype(text: str) -> str:
     return name
 
 
-def _parse_sparsity(text: str) -> float:
-    value = float(text)
-    if not 0 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"sparsity {text!r} is a percentage: give a number in [0, 100]")
-    return value
-
-
 def _settings(argv: list[str] | None) -> _Settings:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--sizes", type=lambda s: _parse_list(s, _parse_size), help="dense input sizes (default 64M,256M,1G; smoke 1M)"
+        "--sizes",
+        type=lambda s: _parse_list(s, benchlib.parse_size),
+        help="dense input sizes (default 64M,256M,1G; smoke 1M)",
     )
     parser.add_argument(
         "--sparsities",
-        type=lambda s: _parse_list(s, _parse_sparsity),
+        type=lambda s: _parse_list(s, benchlib.parse_sparsity),
         help="percent (default 0,50,90,95,99,99.9; smoke 50,99)",
     )
     parser.add_argument(
@@ -229,7 +217,7 @@ def _copy_gbps(settings: _Settings) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
     size = _SMOKE_COPY_BYTES if settings.smoke else _COPY_BYTES
     ms = _time_copy(size, settings)
-    _free(settings.device)
+    benchlib.free_cache(settings.device)
     return 2 * size / (ms * 1e6)
 
 
@@ -237,11 +225,6 @@ def _time_copy(size: int, settings: _Settings) -> float:
     src = torch.randn(size // 4, device=settings.device)
     dst = torch.empty_like(src)
     return _median_ms(lambda i: dst.copy_(src), settings.device, max(settings.reps, 20), settings.warmup)
-
-
-def _free(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------
@@ -424,30 +407,15 @@ def _bench_case(dtype_name: str, size: int, sparsity: float, settings: _Settings
     rows = []
     for impl in ("pici", "coo"):
         rows += _bench_spccl(case, impl, settings, backend)
-        _free(settings.device)
+        benchlib.free_cache(settings.device)
     rows += _bench_torch(case, settings)
     del case
-    _free(settings.device)
+    benchlib.free_cache(settings.device)
     return rows
 
 
 # ---------------------------------------------------------------------------------------
 # Reporting
-
-
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
-
-
-def _size_label(nbytes: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return str(nbytes)
 
 
 def _finish(rows: list[_Row], copy_gbps: float) -> None:
@@ -470,7 +438,7 @@ def _print_rows(rows: list[_Row]) -> None:
         print(
             _TABLE.format(
                 r.dtype,
-                _size_label(r.size_bytes),
+                benchlib.size_label(r.size_bytes),
                 f"{r.sparsity:g}",
                 r.op,
                 r.impl,
@@ -573,7 +541,7 @@ def _plot(rows: list[_Row], path: pathlib.Path, title: str) -> bool:
         ax.set_yscale("log")
         ax.set_xticks(range(len(sparsities)), [f"{s:g}" for s in sparsities])
         ax.set_xlabel("sparsity (%)")
-        ax.set_title(f"{dtype}, {_size_label(largest)}")
+        ax.set_title(f"{dtype}, {benchlib.size_label(largest)}")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("fraction of device-to-device copy bandwidth (log)")
     axes[0][-1].legend(fontsize=7, ncol=3, loc="upper left")
@@ -595,7 +563,7 @@ def _summary(rows: list[_Row], settings: _Settings) -> None:
 
     print()
     print(
-        f"summary: Pici, {dtype}, {_size_label(size)}: fraction of copy bandwidth (target >= {_TARGET_FRAC_COPY:.2f}) "
+        f"summary: Pici, {dtype}, {benchlib.size_label(size)}: fraction of copy bandwidth (target >= {_TARGET_FRAC_COPY:.2f}) "
         f"and compress speedup over torch nonzero COO (target >= {_TARGET_SPEEDUP:g}x at {_TARGET_SPEEDUP_AT:g}%)"
     )
     print(f"{'sparsity':>8}  {'compress':>8} {'':4}  {'decompress':>10} {'':4}  {'speedup':>8} {'':4}")
@@ -615,7 +583,7 @@ def _summary(rows: list[_Row], settings: _Settings) -> None:
         f"verification: {len(rows) - len(bad)} of {len(rows)} timed rows decode bit for bit"
         + (
             "; FAILED: "
-            + ", ".join(f"{r.dtype}/{_size_label(r.size_bytes)}/{r.sparsity:g}%/{r.impl} {r.op}" for r in bad)
+            + ", ".join(f"{r.dtype}/{benchlib.size_label(r.size_bytes)}/{r.sparsity:g}%/{r.impl} {r.op}" for r in bad)
             if bad
             else ""
         )
@@ -634,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         backend = "kernels"
     now = datetime.datetime.now()
-    device_name = _device_name(settings.device)
+    device_name = benchlib.device_name(settings.device)
     meta = {
         "date": now.isoformat(timespec="seconds"),
         "device": device_name,
@@ -642,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": git_commit(),
     }
     settings.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = settings.out_dir / f"codecs_{_slug(device_name)}_{now.date().isoformat()}"
+    stem = settings.out_dir / f"codecs_{benchlib.slug(device_name)}_{now.date().isoformat()}"
 
     copy_gbps = _copy_gbps(settings)
     timer = "CUDA events" if settings.device.type == "cuda" else "time.perf_counter (smoke: CPU, reference codecs)"

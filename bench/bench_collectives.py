@@ -81,7 +81,6 @@ import datetime
 import math
 import os
 import pathlib
-import re
 import statistics
 import sys
 import time
@@ -102,6 +101,8 @@ for _var, _value in (
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_REPO))
 
+import benchlib  # noqa: E402 (a sibling module: the script's folder is on sys.path)
+
 import spccl_train
 from spccl_train._ext import KernelsUnavailableError, load_kernels
 from spccl_train._provenance import git_commit
@@ -113,7 +114,6 @@ __all__ = ["main"]
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 _UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 _SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
 _PATTERNS = ("iid", "identical", "disjoint", "clustered")
@@ -267,20 +267,6 @@ class _Env:
 # Arguments
 
 
-def _parse_size(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text, re.IGNORECASE)
-    if not match:
-        raise argparse.ArgumentTypeError(f"size {text!r} is not like 64M, 256M or 1G (binary units)")
-    return int(match.group(1)) * _UNITS.get(match.group(2).upper(), 1)
-
-
-def _parse_sparsity(text: str) -> float:
-    value = float(text)
-    if not 0 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"sparsity {text!r} is a percentage: give a number in [0, 100]")
-    return value
-
-
 def _parse_scale(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -327,10 +313,14 @@ def _settings(argv: list[str] | None) -> _Settings:
         help=f"some of {','.join(_METHODS)}, or all (default all)",
     )
     parser.add_argument(
-        "--sizes", type=_list_of(_parse_size), help="full tensor sizes in bytes (default 64M,256M,1G; smoke 64K,256K)"
+        "--sizes",
+        type=_list_of(benchlib.parse_size),
+        help="full tensor sizes in bytes (default 64M,256M,1G; smoke 64K,256K)",
     )
     parser.add_argument(
-        "--sparsities", type=_list_of(_parse_sparsity), help="percent (default 0,50,90,95,99,99.9; smoke 0,90,99.9)"
+        "--sparsities",
+        type=_list_of(benchlib.parse_sparsity),
+        help="percent (default 0,50,90,95,99,99.9; smoke 0,90,99.9)",
     )
     parser.add_argument(
         "--patterns",
@@ -502,11 +492,6 @@ def _reduce(env: _Env, values: list[float], op: dist.ReduceOp.RedOpType) -> list
     t = torch.tensor(values, dtype=torch.float64, device=env.device)
     dist.all_reduce(t, op=op)
     return t.tolist()
-
-
-def _free(env: _Env) -> None:
-    if env.device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------
@@ -870,25 +855,6 @@ def _run_case(case: _Case, methods: list[_Method], env: _Env, settings: _Setting
 # Reporting
 
 
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
-
-
-def _size_label(nbytes: int) -> str:
-    """``64M``, ``1G``; sizes cut to a multiple of the world size read as ``~1024K``."""
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= scale:
-            return f"~{nbytes / scale:.4g}{unit}"
-    return str(nbytes)
-
-
 def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -908,7 +874,7 @@ def _line(r: _Row) -> str:
     ratio = r.bytes_ratio
     return _TABLE.format(
         _SHORT[r.collective],
-        _size_label(r.size_bytes),
+        benchlib.size_label(r.size_bytes),
         f"{r.sparsity:g}",
         r.pattern,
         r.dtype,
@@ -1014,7 +980,7 @@ def _plot(rows: list[_Row], stem: pathlib.Path, title: str) -> list[pathlib.Path
             path,
             panels,
             (sparsities, [f"{s:g}%" for s in sparsities], "sparsity"),
-            (sizes, [_size_label(s) for s in sizes], "size"),
+            (sizes, [benchlib.size_label(s) for s in sizes], "size"),
             f"{coll} speedup over nccl, {pattern}, {dtype}{variant}\n{title}",
         )
         written.append(path)
@@ -1031,7 +997,7 @@ def _plot(rows: list[_Row], stem: pathlib.Path, title: str) -> list[pathlib.Path
                 panels,
                 (order, [f"ch{c} th{t:g}" for c, t in order], "channels, threshold scale"),
                 (sparsities[::-1], [f"{s:g}%" for s in sparsities[::-1]], "sparsity"),
-                f"{coll} speedup over nccl at {_size_label(largest)}, {pattern}, {dtype}\n{title}",
+                f"{coll} speedup over nccl at {benchlib.size_label(largest)}, {pattern}, {dtype}\n{title}",
             )
             written.append(path)
     return written
@@ -1101,13 +1067,13 @@ def _summary(rows: list[_Row], world: int) -> None:
         auto = next((r for r in at if r.method == "auto/auto"), None)
         spccl = [r for r in at if r.method not in ("nccl", "naive_coo") and r.speedup_vs_nccl]
         if not spccl:
-            print(f"  {coll} {_size_label(size)} {sparsity:g}% >= {target:g}x: not in this run")
+            print(f"  {coll} {benchlib.size_label(size)} {sparsity:g}% >= {target:g}x: not in this run")
             continue
         best = max(spccl, key=lambda r: r.speedup_vs_nccl)
         value = auto.speedup_vs_nccl if auto and auto.speedup_vs_nccl else None
         verdict = "PASS" if value is not None and value >= target else "FAIL"
         print(
-            f"  {coll} {_size_label(size)} {sparsity:g}% >= {target:g}x: auto/auto {_x(value)} {verdict}; "
+            f"  {coll} {benchlib.size_label(size)} {sparsity:g}% >= {target:g}x: auto/auto {_x(value)} {verdict}; "
             f"best {best.method} {_x(best.speedup_vs_nccl)}"
         )
     autos = [r for r in base if r.method == "auto/auto" and r.size_bytes >= _AUTO_FLOOR_FROM]
@@ -1115,9 +1081,9 @@ def _summary(rows: list[_Row], world: int) -> None:
         low = [r for r in autos if not r.speedup_vs_nccl or r.speedup_vs_nccl < _AUTO_FLOOR]
         worst = min(autos, key=lambda r: r.speedup_vs_nccl or 0.0)
         print(
-            f"  auto/auto >= {_AUTO_FLOOR}x nccl at every sparsity, sizes >= {_size_label(_AUTO_FLOOR_FROM)}: "
+            f"  auto/auto >= {_AUTO_FLOOR}x nccl at every sparsity, sizes >= {benchlib.size_label(_AUTO_FLOOR_FROM)}: "
             f"{'PASS' if not low else 'FAIL'} (worst {_x(worst.speedup_vs_nccl)} at {worst.collective} "
-            f"{_size_label(worst.size_bytes)} {worst.sparsity:g}%"
+            f"{benchlib.size_label(worst.size_bytes)} {worst.sparsity:g}%"
             + (f"; {len(low)} of {len(autos)} points below" if low else "")
             + ")"
         )
@@ -1127,7 +1093,7 @@ def _summary(rows: list[_Row], world: int) -> None:
         + (
             "; FAILED: "
             + ", ".join(
-                f"{_SHORT[r.collective]}/{_size_label(r.size_bytes)}/{r.sparsity:g}%/{r.pattern}/{r.dtype}/{r.method}"
+                f"{_SHORT[r.collective]}/{benchlib.size_label(r.size_bytes)}/{r.sparsity:g}%/{r.pattern}/{r.dtype}/{r.method}"
                 for r in bad
             )
             if bad
@@ -1169,7 +1135,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(settings: _Settings, env: _Env) -> int:
     lead = env.rank == 0
     now = datetime.datetime.now()
-    device_name = _device_name(env.device)
+    device_name = benchlib.device_name(env.device)
     meta = {
         "date": now.isoformat(timespec="seconds"),
         "device": device_name,
@@ -1179,7 +1145,7 @@ def _main(settings: _Settings, env: _Env) -> int:
         "ranks_per_node": settings.ranks_per_node or env.world,
         "backend": env.backend,
     }
-    stem = settings.out_dir / f"collectives_{_slug(device_name)}x{env.world}_{now.date().isoformat()}"
+    stem = settings.out_dir / f"collectives_{benchlib.slug(device_name)}x{env.world}_{now.date().isoformat()}"
     methods = _methods(settings)
     cases = [
         (dtype, pattern, coll, size, sparsity)
@@ -1197,7 +1163,7 @@ def _main(settings: _Settings, env: _Env) -> int:
         )
         print(
             f"{len(cases)} cases x {len(methods)} methods; per point: 1 verification call, {settings.warmup} warm-up, "
-            f"median of {settings.iters} timed calls ({settings.iters_large} at >= {_size_label(_LARGE)}) of the "
+            f"median of {settings.iters} timed calls ({settings.iters_large} at >= {benchlib.size_label(_LARGE)}) of the "
             f"slowest rank; barrier before each call; sizes: all-reduce tensor, all-gather output, reduce-scatter input"
         )
         print(_HEADER, flush=True)
@@ -1217,7 +1183,7 @@ def _main(settings: _Settings, env: _Env) -> int:
         case = _make_case(coll, dtype, pattern, size, sparsity, env, settings)
         rows += _run_case(case, methods, env, settings, show)
         del case
-        _free(env)
+        benchlib.free_cache(env.device)
     elapsed = time.perf_counter() - started
     status = 1 if not all(r.verified for r in rows) else 3 if skipped else 0
     failure = None

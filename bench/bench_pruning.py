@@ -45,6 +45,8 @@ if "--smoke" in sys.argv[1:] or not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
+import benchlib  # noqa: E402 (a sibling module: the script's folder is on sys.path)
+
 from spccl_train._provenance import git_commit  # noqa: E402
 from spccl_train.pruning import PruneConfig, Pruner, reference  # noqa: E402
 from spccl_train.pruning.prune_ef import prune_error_feedback  # noqa: E402
@@ -153,7 +155,7 @@ def main() -> None:
     cuda = torch.cuda.is_available() and not args.smoke
     device = "cuda" if cuda else "cpu"
     n = 1 << 16 if args.smoke else args.numel
-    name = torch.cuda.get_device_name() if cuda else "cpu"
+    name = benchlib.device_name(torch.device(device))
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     device_timer = _DeviceTimer(args.batch, args.reps) if cuda else None
     timing = f"device, batches of {args.batch} behind a GPU sleep" if cuda else "host (no device timing on CPU)"
@@ -216,8 +218,7 @@ def main() -> None:
         )
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    slug = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
-    path = out / f"pruning_{slug}_{stamp[:10]}.csv"
+    path = out / f"pruning_{benchlib.slug(name)}_{stamp[:10]}.csv"
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -13,28 +13,14 @@ import contextlib
 
 import torch
 
-from spccl_train.megatron.pretrain import _NoStream
+from spccl_train.megatron.pretrain import _megatron_device
 
 __all__ = ["ensure_model_parallel", "megatron_on_cpu", "megatron_optimizer_on_cpu"]
 
 
-@contextlib.contextmanager
 def megatron_on_cpu():
     """Point Megatron's CUDA device and stream queries at the CPU while the block runs."""
-    stream = _NoStream()
-    replaced = {
-        "current_device": lambda: torch.device("cpu"),
-        "current_stream": lambda device=None: stream,
-        "default_stream": lambda device=None: stream,
-    }
-    saved = {name: getattr(torch.cuda, name) for name in replaced}
-    for name, fn in replaced.items():
-        setattr(torch.cuda, name, fn)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.cuda, name, fn)
+    return _megatron_device(torch.device("cpu"))
 
 
 def ensure_model_parallel() -> None:

@@ -55,8 +55,6 @@ the CPU). The distributed optimizer needs CUDA.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import math
 import os
 import pathlib
 import sys
@@ -65,14 +63,13 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from .._timing import Span
 from ..collectives import CollectiveConfig
 from ..train.config import ExperimentConfig, from_dict, to_dict
 from ..train.data import prepare_tokens
 from ..train.trainer import (
-    IterationRecord,
+    RunLog,
     _device,
     _free_port,
     _lr_at,
@@ -460,13 +457,6 @@ class _DenseReductions:
 # ----------------------------------------------------------------------------- the loop
 
 
-def _run_name(cfg: ExperimentConfig, config_name: str) -> str:
-    if cfg.output.name:
-        return cfg.output.name
-    mode = "spccl" if cfg.spccl.enabled else "dense"
-    return f"{config_name}-megatron-{mode}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-
-
 def _spccl_config(cfg: ExperimentConfig, local_world: int):
     from . import SpcclMegatronConfig
 
@@ -569,26 +559,11 @@ def _train(cfg, config_name, rank, world, local_world, device, distopt) -> pathl
 
 def _loop(cfg, config_name, rank, world, device, data, model, optimizer, state, dense, info) -> pathlib.Path | None:
     t, seq = cfg.train, cfg.data.seq_len
-    names = [_run_name(cfg, config_name)]
-    dist.broadcast_object_list(names, src=0)
-    run_dir = pathlib.Path(cfg.output.dir) / names[0]
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-
-    progress = None
-    if rank == 0 and cfg.output.progress:
-        from tqdm.auto import tqdm
-
-        progress = tqdm(
-            total=t.iterations, desc=names[0], unit="it", file=sys.stderr, dynamic_ncols=True, mininterval=1.0
-        )
+    log = RunLog(cfg, config_name, rank, world, device, engine="megatron")
 
     # Megatron's attention mask: True where a query must not see a key.
     causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
     positions = torch.arange(seq, device=device)[None].expand(t.micro_batch_size, seq)
-    records: list[IterationRecord] = []
-    loss_sum = torch.zeros((), device=device)
     for step in range(t.iterations):
         lr = _lr_at(cfg, step)
         _set_schedule(optimizer, cfg, lr)
@@ -614,33 +589,22 @@ def _loop(cfg, config_name, rank, world, device, data, model, optimizer, state, 
             reduce_s, prune_s, density = dense.seconds(), 0.0, 1.0
             sent = dense_bytes = dense.dense_bytes
             dense.reset_stats()
-        loss_sum.copy_(loss.detach())
-        dist.all_reduce(loss_sum)
-        loss_value = loss_sum.item() / world
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"loss is {loss_value} at iteration {step}: lower optim.lr or check the data")
-        records.append(
-            IterationRecord(
-                iteration=step,
-                time_s=elapsed,
-                allreduce_s=reduce_s,
-                prune_s=prune_s,
-                loss=loss_value,
-                lr=lr,
-                density=density,
-                bytes_sent=sent,
-                dense_bytes=dense_bytes,
-            )
+        log.record(
+            step,
+            elapsed,
+            loss,
+            lr,
+            allreduce_s=reduce_s,
+            prune_s=prune_s,
+            density=density,
+            bytes_sent=sent,
+            dense_bytes=dense_bytes,
         )
-        if progress is not None:
-            progress.set_postfix(loss=f"{loss_value:.3f}", ms=f"{elapsed * 1e3:.0f}", refresh=False)
-            progress.update()
-    if progress is not None:
-        progress.close()
+    log.close()
     if rank != 0:
         return None
 
-    return finish_run(cfg, config_name, run_dir, records, world, device, data, info, label="run (megatron)")
+    return finish_run(cfg, config_name, log.run_dir, log.records, world, device, data, info, label="run (megatron)")
 
 
 # ----------------------------------------------------------------------------- command line

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from .._provenance import git_commit
 from .. import ddp as spccl_ddp
+from .._provenance import git_commit
 from ..collectives import CollectiveConfig
 from .config import ExperimentConfig, from_dict, to_dict
 from .data import prepare_tokens
@@ -140,11 +140,12 @@ def _hook(cfg: ExperimentConfig, model: torch.nn.parallel.DistributedDataParalle
     return state
 
 
-def _run_name(cfg: ExperimentConfig, config_name: str) -> str:
+def _run_name(cfg: ExperimentConfig, config_name: str, engine: str = "") -> str:
     if cfg.output.name:
         return cfg.output.name
     mode = "spccl" if cfg.spccl.enabled else "dense"
-    return f"{config_name}-{mode}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    parts = [config_name, engine, mode, datetime.datetime.now().strftime("%Y%m%d-%H%M%S")]
+    return "-".join(part for part in parts if part)
 
 
 def run_worker(cfg: ExperimentConfig, config_name: str) -> pathlib.Path | None:
@@ -191,23 +192,7 @@ def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pa
     )
     precision, autocast = _autocast(cfg, device)
 
-    names = [_run_name(cfg, config_name)]
-    dist.broadcast_object_list(names, src=0)
-    run_dir = pathlib.Path(cfg.output.dir) / names[0]
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-
-    progress = None
-    if rank == 0 and cfg.output.progress:
-        from tqdm.auto import tqdm
-
-        progress = tqdm(
-            total=t.iterations, desc=f"{names[0]}", unit="it", file=sys.stderr, dynamic_ncols=True, mininterval=1.0
-        )
-
-    records: list[IterationRecord] = []
-    loss_sum = torch.zeros((), device=device)
+    log = RunLog(cfg, config_name, rank, world, device)
     for step in range(t.iterations):
         lr = _lr_at(cfg, step)
         for group in optimizer.param_groups:
@@ -227,35 +212,82 @@ def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pa
         elapsed = time.perf_counter() - start
         hook = state.summary()
         state.reset_stats()
-        loss_sum.copy_(loss.detach())
-        dist.all_reduce(loss_sum)
-        loss_value = loss_sum.item() / world
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"loss is {loss_value} at iteration {step}: lower optim.lr or check the data")
-        records.append(
-            IterationRecord(
-                iteration=step,
-                time_s=elapsed,
-                allreduce_s=hook.allreduce_seconds,
-                prune_s=hook.prune_seconds,
-                loss=loss_value,
-                lr=lr,
-                density=hook.density if hook.elements else 1.0,
-                bytes_sent=hook.bytes_sent,
-                dense_bytes=hook.dense_bytes,
-            )
+        log.record(
+            step,
+            elapsed,
+            loss,
+            lr,
+            allreduce_s=hook.allreduce_seconds,
+            prune_s=hook.prune_seconds,
+            density=hook.density if hook.elements else 1.0,
+            bytes_sent=hook.bytes_sent,
+            dense_bytes=hook.dense_bytes,
         )
-        if progress is not None:
-            progress.set_postfix(loss=f"{loss_value:.3f}", ms=f"{elapsed * 1e3:.0f}", refresh=False)
-            progress.update()
-    if progress is not None:
-        progress.close()
+    log.close()
     if rank != 0:
         return None
 
     return finish_run(
-        cfg, config_name, run_dir, records, world, device, data, {"precision": precision, "parameters": n_params}
+        cfg,
+        config_name,
+        log.run_dir,
+        log.records,
+        world,
+        device,
+        data,
+        {"precision": precision, "parameters": n_params},
     )
+
+
+class RunLog:
+    """One run's folder, progress bar and per-iteration records, on every rank (files on rank 0).
+
+    Shared by the DDP loop here and the Megatron one (:mod:`spccl_train.megatron.pretrain`):
+    it names the run (rank 0's name, broadcast; ``engine`` goes into generated names), writes ``config.yaml``, averages each
+    iteration's loss over the ranks and stops on a non-finite one.
+    """
+
+    def __init__(
+        self, cfg: ExperimentConfig, config_name: str, rank: int, world: int, device: torch.device, engine: str = ""
+    ) -> None:
+        names = [_run_name(cfg, config_name, engine)]
+        dist.broadcast_object_list(names, src=0)
+        self.run_dir = pathlib.Path(cfg.output.dir) / names[0]
+        self.records: list[IterationRecord] = []
+        self._world = world
+        self._loss_sum = torch.zeros((), device=device)
+        self._progress = None
+        if rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            if cfg.output.progress:
+                from tqdm.auto import tqdm
+
+                self._progress = tqdm(
+                    total=cfg.train.iterations,
+                    desc=names[0],
+                    unit="it",
+                    file=sys.stderr,
+                    dynamic_ncols=True,
+                    mininterval=1.0,
+                )
+
+    def record(self, step: int, elapsed: float, loss: torch.Tensor, lr: float, **reduction: float | int) -> None:
+        """Average ``loss`` over the ranks and keep the iteration; ``reduction``: the rest of :class:`IterationRecord`."""
+        self._loss_sum.copy_(loss.detach())
+        dist.all_reduce(self._loss_sum)
+        loss_value = self._loss_sum.item() / self._world
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"loss is {loss_value} at iteration {step}: lower optim.lr or check the data")
+        self.records.append(IterationRecord(iteration=step, time_s=elapsed, loss=loss_value, lr=lr, **reduction))
+        if self._progress is not None:
+            self._progress.set_postfix(loss=f"{loss_value:.3f}", ms=f"{elapsed * 1e3:.0f}", refresh=False)
+            self._progress.update()
+
+    def close(self) -> None:
+        """Close the progress bar."""
+        if self._progress is not None:
+            self._progress.close()
 
 
 def finish_run(
