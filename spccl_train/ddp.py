@@ -19,6 +19,8 @@ fewer if you need more overlap of communication with the backward pass.
 
 import contextlib
 import dataclasses
+import functools
+import math
 import queue
 import threading
 
@@ -27,6 +29,7 @@ import torch.distributed as dist
 
 from ._timing import Span
 from .collectives import CollectiveConfig, all_reduce
+from .collectives.chunking import ChunkLayout
 from .pruning import PruneConfig, Pruner, PruneResult
 
 __all__ = [
@@ -62,6 +65,11 @@ class HookSummary:
     """Time in pruning (device time on CUDA)."""
     allreduce_seconds: float
     """Time from issuing each sparse all-reduce to its completion."""
+    deferred: int = 0
+    """Elements pruning kept but the capacity (``capacity_factor``) left in the error buffers
+    for a later step."""
+    exchanges: int = 0
+    """Planning exchanges (host synchronisations) the sparse all-reduces made."""
 
     @property
     def density(self) -> float:
@@ -106,6 +114,17 @@ class SparseHookState:
             mode but ``True`` runs in line. Off by default; ``examples/gpt2_xl`` has the 4 H200
             measurements of each (the thread competes with the backward pass for the
             interpreter lock).
+        capacity_factor: ``None`` (default): every sparse all-reduce counts its nonzeros and
+            exchanges the counts, a host synchronisation per bucket that stalls the host thread
+            launching the backward pass until the bucket's pruning is done. A factor ``f >= 1``:
+            after a bucket's first sparse iteration (planned with the exchange, which also checks
+            that every rank's bucket agrees) its all-reduce is planned from bounds and makes **no
+            host synchronisation**: each piece of the bucket (one per rank and channel) keeps at
+            most ``ceil(f * density * piece size)`` nonzeros, the excess (the last ones in
+            position order) staying undecayed in the error buffer for a later step
+            (:func:`spccl_train.pruning.cap_ranges`; counted in ``HookSummary.deferred``), and
+            messages are sized for those bounds (an all-reduce's gather phase for the sum of
+            every rank's bound, so larger ``f`` sends more padding). Needs ``prune=True``.
         planning_group: ``overlap="stream"`` only: a group of the same ranks as ``process_group``
             on which the planning exchanges run, so that planning a bucket does not wait for the
             previous bucket's transfers (NCCL runs one group's operations in order). ``None``:
@@ -122,6 +141,7 @@ class SparseHookState:
         "collective_config",
         "dense_iterations",
         "overlap",
+        "capacity_factor",
         # internal
         "iteration",
         "_reducer",
@@ -129,6 +149,7 @@ class SparseHookState:
         "planning_group",
         "error_buffers",
         "last_prune",  # bucket index -> the latest PruneResult (threshold, kept)
+        "_validated",  # (bucket index, numel) reduced once with the planning exchange
         # statistics
         "_sparse_calls",
         "_elements",
@@ -137,6 +158,8 @@ class SparseHookState:
         "_dense_bytes",
         "_prune_spans",
         "_allreduce_spans",
+        "_deferred",
+        "_exchanges",
     )
 
     def __init__(
@@ -156,7 +179,23 @@ class SparseHookState:
         seed: int = 0,
         overlap: bool | str | None = False,
         planning_group: dist.ProcessGroup | None = None,
+        capacity_factor: float | None = None,
     ) -> None:
+        if capacity_factor is not None:
+            if (
+                isinstance(capacity_factor, bool)
+                or not isinstance(capacity_factor, (int, float))
+                or not (math.isfinite(capacity_factor) and capacity_factor >= 1)
+            ):
+                raise ValueError(
+                    f"capacity_factor={capacity_factor!r} must be a number >= 1 (each piece keeps at most that many "
+                    "times its share of the density) or None to plan every all-reduce from exchanged counts"
+                )
+            if not prune:
+                raise ValueError(
+                    "capacity_factor needs prune=True: without pruning nothing bounds the nonzeros of a bucket; "
+                    "pass capacity_factor=None"
+                )
         if dense_iterations < 1:
             raise ValueError(
                 f"dense_iterations={dense_iterations}: DDP rebuilds its buckets after the first iteration, "
@@ -179,6 +218,8 @@ class SparseHookState:
         if overlap not in (True, False, None, "stream"):
             raise ValueError(f"overlap={overlap!r} must be False, True, None (True on CUDA) or 'stream'")
         self.overlap = overlap
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self._validated: set[tuple[int, int]] = set()
         self._reducer: _Reducer | None = None
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self.planning_group = planning_group
@@ -196,6 +237,8 @@ class SparseHookState:
         self._dense_bytes = 0
         self._prune_spans: list[Span] = []
         self._allreduce_spans: list[object] = []
+        self._deferred: torch.Tensor | int = 0
+        self._exchanges = 0
 
     def summary(self) -> HookSummary:
         """Totals so far. Reads device timers and counters: call it off the hot path."""
@@ -208,7 +251,20 @@ class SparseHookState:
             dense_bytes=self._dense_bytes,
             prune_seconds=sum(span.seconds() for span in self._prune_spans),
             allreduce_seconds=sum(stats.elapsed_s for stats in self._allreduce_spans),
+            deferred=int(self._deferred),
+            exchanges=self._exchanges,
         )
+
+    def decode_failures(self) -> int:
+        """Sparse all-reduces whose decoders reported a bad payload (reads device statuses: off the hot path).
+
+        With ``capacity_factor`` the bounds hold by construction, so anything but 0 is a bug to report.
+        """
+        return sum(1 for stats in self._allreduce_spans if stats.decode_status is not None and int(stats.decode_status))
+
+    def bounded(self, index: int, numel: int) -> bool:
+        """True when bucket ``index`` of ``numel`` elements is all-reduced from bounds (no host synchronisation)."""
+        return self.capacity_factor is not None and (index, numel) in self._validated
 
     def _side_streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         """``(planning, data)`` streams of ``overlap="stream"``, made once."""
@@ -235,7 +291,7 @@ class SparseHookState:
         return {
             slot: getattr(self, slot)
             for slot in self.__slots__
-            if slot not in ("process_group", "_reducer", "_side_stream")
+            if slot not in ("process_group", "_reducer", "_streams", "planning_group")
         }
 
     def __setstate__(self, state: dict) -> None:
@@ -292,16 +348,25 @@ def _reduce_sparse(
     planning_group: dist.ProcessGroup | None = None,
     planning_stream: torch.cuda.Stream | None = None,
 ) -> torch.Tensor:
+    bounded = state.bounded(index, buffer.numel())
+    if bounded:  # nothing to plan ahead: prune, cap and reduce on the current stream
+        planning_group = planning_stream = None
+    capped = None
     with torch.cuda.stream(planning_stream) if planning_stream is not None else contextlib.nullcontext():
         if state.prune:
             span = Span(buffer.device)
+            error = state.error_buffer(index, buffer)
+            schedule_step = iteration - state.dense_iterations
+            if state.capacity_factor is not None:
+                density = state.pruner.config.density_at(schedule_step)
+                capped = _piece_caps(
+                    buffer.numel(), world, state.collective_config.channels, density, state.capacity_factor
+                )
             result = state.pruner.prune(
-                buffer,
-                state.error_buffer(index, buffer),
-                step=iteration,
-                buffer=index,
-                schedule_step=iteration - state.dense_iterations,
+                buffer, error, step=iteration, buffer=index, schedule_step=schedule_step, caps=capped
             )
+            if result.deferred is not None:
+                state._deferred = state._deferred + result.deferred
             span.stop()
             state._prune_spans.append(span)
             state.last_prune[index] = result
@@ -315,15 +380,30 @@ def _reduce_sparse(
         config=state.collective_config,
         planning_group=planning_group,
         planning_stream=planning_stream,
+        bounds=[list(capped[1])] * world if bounded else None,
     )
     stats = work.stats
+    if state.capacity_factor is not None:
+        state._validated.add((index, buffer.numel()))  # every rank's bucket agreed in the exchange
     state._sparse_calls += 1
+    state._exchanges += stats.exchanges
     state._elements += buffer.numel()
     state._bytes_sent += stats.bytes_sent
     state._dense_bytes += stats.dense_bytes
     state._allreduce_spans.append(stats)
     work.wait()
     return buffer.div_(world)
+
+
+@functools.lru_cache(maxsize=256)
+def _piece_caps(
+    numel: int, world: int, channels: int, density: float, factor: float
+) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+    """The all-reduce's pieces of a bucket (``(start, numel)``, in count-table order) and their caps."""
+    layout = ChunkLayout.aligned(numel, world, channels)
+    ranges = tuple((piece.start, piece.numel) for chunk in layout.pieces for piece in chunk)
+    caps = tuple(min(n, math.ceil(factor * density * n)) for _, n in ranges)
+    return ranges, caps
 
 
 def sparse_allreduce_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -368,7 +448,8 @@ def _reduce_on_side_stream(
 
     Both streams wait only for the bucket; the planning exchange runs on a second process group
     of the same ranks, so planning bucket ``k + 1`` (a host synchronisation) waits neither for
-    the backward pass after it nor for bucket ``k``'s transfers.
+    the backward pass after it nor for bucket ``k``'s transfers. A bucket reduced from bounds
+    (``capacity_factor``) has nothing to plan and runs wholly on the data stream.
     """
     planning, data = state._side_streams(buffer.device)
     ready = torch.cuda.Event()

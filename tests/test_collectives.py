@@ -33,10 +33,11 @@ import zlib
 import pytest
 import torch
 import torch.distributed as dist
+from _pool import pool_factory
 
 import spccl_train
-from _pool import pool_factory
 from spccl_train.collectives import CollectiveConfig, CostModel, Phase, Thresholds, last_stats
+from spccl_train.collectives.chunking import ChunkLayout
 from spccl_train.collectives.cost import CodecCost, LinkCost
 from spccl_train.collectives.plan import message_bytes
 from spccl_train.formats import Format
@@ -709,3 +710,126 @@ def _job_bytes(rank, world, seed):
 def test_sparse_data_sends_a_fraction_of_dense(pools):
     for ratios in pools(3).run(_job_bytes, _seed("bytes")):
         assert all(r < 0.15 for r in ratios), ratios  # 99% sparse: ~3% payload + Pici's 3% metadata
+
+
+# ----------------------------------------------------------------------------- bounds: no planning exchange
+
+
+def _piece_counts(xs: torch.Tensor, layout: ChunkLayout, collective: str) -> list[list[int]]:
+    """The count table the planning exchange would gather (row q: rank q's pieces)."""
+    table = []
+    for q in range(xs.shape[0]):
+        if collective == "all_gather":
+            own = layout.chunks[q].start
+            row = [_nnz(xs[q][p.start - own : p.stop - own]) for p in layout.pieces[q]]
+            row += [0] * (layout.world - 1) * layout.channels
+        else:
+            row = [_nnz(xs[q][p.start : p.stop]) for chunk in layout.pieces for p in chunk]
+        table.append(row)
+    return table
+
+
+def _job_bounds(rank, world, seed):
+    results = []
+    for collective in COLLECTIVES:
+        for algorithm in ALGORITHMS:
+            for fmt in ("pici", "coo", "auto"):
+                for slack in (0, 2, None):  # exact counts, twice the counts, every piece full
+                    n, channels = (world * TILE + 777, 3) if collective == "all_reduce" else (TILE + 77, 2)
+                    n = n * world if collective == "reduce_scatter" else n
+                    xs = _inputs(
+                        _seed(seed, collective, algorithm, fmt, slack), world, n, torch.float32, 0.98, "random"
+                    )
+                    layout = (
+                        ChunkLayout.equal(world * n, world, channels)
+                        if collective == "all_gather"
+                        else ChunkLayout.aligned(n, world, channels)
+                        if collective == "all_reduce"
+                        else ChunkLayout.equal(n, world, channels)
+                    )
+                    counts = _piece_counts(xs, layout, collective)
+                    sizes = [p.numel for chunk in layout.pieces for p in chunk]
+                    if collective == "all_gather":
+                        sizes = [
+                            [p.numel for p in layout.pieces[q]] + [0] * (world - 1) * channels for q in range(world)
+                        ]
+                    else:
+                        sizes = [sizes] * world
+                    bounds = [
+                        [size if slack is None else min(size, c * max(1, slack)) for c, size in zip(row, row_sizes)]
+                        for row, row_sizes in zip(counts, sizes)
+                    ]
+                    cfg = CollectiveConfig(format=fmt, algorithm=algorithm, channels=channels)
+                    what = f"{collective} {algorithm} {fmt} bounds slack={slack}"
+                    mine = xs[rank].clone()
+                    if collective == "all_reduce":
+                        work = spccl_train.all_reduce(mine, config=cfg, bounds=bounds, async_op=True)
+                        _check_sum(mine, xs, what)
+                    elif collective == "reduce_scatter":
+                        out = torch.empty(n // world)
+                        work = spccl_train.reduce_scatter_tensor(out, mine, config=cfg, bounds=bounds, async_op=True)
+                        _check_sum(out, xs.view(world, world, -1)[:, rank], what)
+                    else:
+                        out = torch.empty(world * n)
+                        work = spccl_train.all_gather_into_tensor(out, mine, config=cfg, bounds=bounds, async_op=True)
+                        assert torch.equal(out, xs.reshape(-1)), what
+                    stats = work.stats
+                    assert stats.exchanges == 0, what
+                    if stats.decode_status is not None:
+                        assert int(stats.decode_status) == 0, what
+                    results.append((what, stats.algorithm, stats.gather_counts, stats.bytes_sent))
+    return results
+
+
+def test_bounds_plan_without_an_exchange(pools):
+    """A call with bounds sums exactly, makes no exchange, and an all-reduce sizes its gather phase by bound."""
+    per_rank = pools(3).run(_job_bounds, _seed("bounds"))
+    for other in per_rank[1:]:  # every rank planned alike
+        assert [r[:3] for r in other] == [r[:3] for r in per_rank[0]]
+    for what, algorithm, gather, _ in per_rank[0]:
+        if what.startswith("all_reduce") and algorithm != "native":
+            assert gather == "bound", what
+    # with a fixed format, looser bounds never send fewer bytes than exact ones
+    sent = {what: sent for what, _, _, sent in per_rank[0]}
+    for what, exact in sent.items():
+        if what.endswith("slack=0") and " auto " not in what:
+            assert sent[what.replace("slack=0", "slack=2")] >= exact, what
+
+
+def _job_bad_bounds(rank, world):
+    x = torch.zeros(world * TILE)
+    layout = ChunkLayout.aligned(x.numel(), world, 1)
+    full = [[p.numel for chunk in layout.pieces for p in chunk]] * world
+    messages = []
+    for bounds in ([[1] * world] * (world - 1), [[TILE + 1] * world] * world, [[-1] * world] * world, "nope"):
+        try:
+            spccl_train.all_reduce(x.clone(), bounds=bounds)
+            messages.append("no error")
+        except ValueError as exc:
+            messages.append(str(exc))
+    try:
+        spccl_train.all_reduce(x.clone(), bounds=full, config=CollectiveConfig(gather_counts="measured"))
+        messages.append("no error")
+    except ValueError as exc:
+        messages.append(str(exc))
+    # a bound the data breaks (on every rank): the reference encoder refuses to truncate
+    y = torch.zeros(world * TILE)
+    y[::2] = 1.0
+    try:
+        spccl_train.all_reduce(
+            y, bounds=[[10] * world] * world, config=CollectiveConfig(format="pici", algorithm="direct")
+        )
+        messages.append("no error")
+    except ValueError as exc:
+        messages.append(str(exc))
+    return messages
+
+
+def test_bad_bounds_raise(pools):
+    for messages in pools(2).run(_job_bad_bounds):
+        assert "it needs 2 rows" in messages[0], messages[0]
+        assert "bounds[0][0] = 4097" in messages[1], messages[1]
+        assert "bounds[0][0] = -1" in messages[2], messages[2]
+        assert "bounds must be a sequence" in messages[3], messages[3]
+        assert "gather_counts='measured'" in messages[4], messages[4]
+        assert "too small for the Pici payload" in messages[5], messages[5]

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _pool import pool_factory
-from spccl_train.ddp import HookSummary, SparseHookState, sparse_allreduce_hook
+from spccl_train.ddp import HookSummary, SparseHookState, _piece_caps, sparse_allreduce_hook
 
 SEED = int(os.environ.get("SPCCL_TEST_SEED", random.SystemRandom().randrange(2**31)))
 os.environ["SPCCL_TEST_SEED"] = str(SEED)
@@ -150,6 +150,57 @@ def _train(rank: int, mode: str, steps: int) -> float:
     return sum(losses[-25:]) / 25
 
 
+def _job_capacity(rank: int, world: int, steps: int, factor: float, overlap: bool | str) -> dict:
+    """The hook with ``capacity_factor``: after each bucket's first sparse iteration no exchange is
+    made, every piece keeps at most its cap, and what the cap deferred waits, undecayed, in the
+    error buffer; the all-reduce still sums exactly what the ranks contributed."""
+    decay = 0.7
+    model = DDP(_model(SEED), bucket_cap_mb=0.03)
+    state = SparseHookState(
+        density=0.05, sample_fraction=0.2, decay=decay, format="auto", capacity_factor=factor, overlap=overlap
+    )
+    exchanges: dict[int, int] = {}  # iteration -> planning exchanges made by its all-reduces
+
+    def checking_hook(state: SparseHookState, bucket: dist.GradBucket):
+        index, buffer = bucket.index(), bucket.buffer()
+        before = buffer.clone()
+        old = state.error_buffers.get(index)
+        error_before = old.clone() if old is not None and old.shape == buffer.shape else torch.zeros_like(buffer)
+        iteration = state.iteration
+        sparse = iteration >= state.dense_iterations
+        calls_before = state.summary().exchanges
+        future = sparse_allreduce_hook(state, bucket)
+        if not sparse:
+            return future
+        reduced = future.wait()  # overlap=True reduces on a background thread
+        exchanges[iteration] = exchanges.get(iteration, 0) + state.summary().exchanges - calls_before
+        v = before + error_before
+        passed = v.abs() >= state.last_prune[index].threshold
+        ranges, caps = _piece_caps(buffer.numel(), world, 1, 0.05, factor)
+        sent = torch.zeros_like(v)
+        for (start, numel), cap in zip(ranges, caps):
+            piece = torch.where(passed[start : start + numel], v[start : start + numel], torch.zeros(()))
+            nonzero = piece != 0
+            first = (torch.cumsum(nonzero, 0) - nonzero.to(torch.int64)) < cap
+            sent[start : start + numel] = torch.where(nonzero & first, piece, torch.zeros(()))
+            assert int((sent[start : start + numel] != 0).sum()) <= cap
+        deferred = passed & (sent == 0)
+        expected_error = torch.where(passed, torch.where(deferred, v, torch.zeros(())), v * decay)
+        assert torch.equal(state.error_buffers[index], expected_error), f"bucket {index}: error buffer"
+        everyone = [torch.empty_like(sent) for _ in range(world)]
+        dist.all_gather(everyone, sent)
+        torch.testing.assert_close(reduced, torch.stack(everyone).sum(0) / world, rtol=1e-5, atol=1e-7)
+        return future
+
+    model.register_comm_hook(state, checking_hook)
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        model.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+    summary = state.summary()
+    return {"exchanges": exchanges, "deferred": summary.deferred, "failures": state.decode_failures()}
+
+
 # ----------------------------------------------------------------------------- tests
 
 
@@ -208,6 +259,20 @@ def test_pruned_training_tracks_dense_with_error_feedback(pools):
     assert gap_plain > gap_ef, f"without error feedback {without_ef:.4g} should lag more than {with_ef:.4g}"
 
 
+@pytest.mark.parametrize(("world", "factor", "overlap"), [(2, 1.0, False), (3, 2.0, True)])
+def test_capacity_factor_reduces_without_exchanges(pools, world, factor, overlap):
+    results = pools(world).run(_job_capacity, 5, factor, overlap)
+    for result in results:
+        iterations = sorted(result["exchanges"])
+        assert iterations == [1, 2, 3, 4]
+        # DDP rebuilds its buckets after iteration 0, so iteration 1 plans with exchanges, then none
+        assert result["exchanges"][1] > 0, result
+        assert all(result["exchanges"][i] == 0 for i in iterations[1:]), result
+        assert result["failures"] == 0
+    if factor == 1.0:  # pieces holding more than their share: the cap defers some
+        assert sum(r["deferred"] for r in results) > 0
+
+
 def test_state_validates_and_pickles_without_its_group():
     with pytest.raises(ValueError, match="dense_iterations"):
         SparseHookState(dense_iterations=0)
@@ -215,6 +280,10 @@ def test_state_validates_and_pickles_without_its_group():
         SparseHookState(density=2.0)
     with pytest.raises(ValueError, match="warmup_steps=-1"):
         SparseHookState(warmup_steps=-1)
+    with pytest.raises(ValueError, match="capacity_factor=0.5"):
+        SparseHookState(capacity_factor=0.5)
+    with pytest.raises(ValueError, match="capacity_factor needs prune=True"):
+        SparseHookState(capacity_factor=2.0, prune=False)
     state = SparseHookState(process_group=object(), density=0.02, warmup_steps=5)
     copy = pickle.loads(pickle.dumps(state))
     assert copy.process_group is None and copy.pruner.config.density == 0.02

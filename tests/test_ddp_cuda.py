@@ -65,6 +65,22 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
             summary = state.summary()
             if not torch.isfinite(loss) or not 0.005 < summary.density < 0.02 or summary.bytes_ratio >= 1:
                 failures.append(f"{dtype}: loss {loss.item()}, {summary}")
+        # Bounded planning (capacity_factor): exchanges only in the first sparse iteration, in every
+        # overlap mode; the decoders never see a broken bound.
+        for overlap in (False, "stream", True):
+            model = DDP(_model(device), device_ids=[rank], bucket_cap_mb=0.5)
+            state = SparseHookState(
+                density=0.01, sample_fraction=0.05, format="pici", capacity_factor=2.0, overlap=overlap
+            )
+            model.register_comm_hook(state, sparse_allreduce_hook)
+            for _ in range(10):
+                model.zero_grad()
+                model(torch.randn(32, 64, device=device, generator=g)).square().mean().backward()
+            torch.cuda.synchronize()
+            summary = state.summary()
+            buckets = summary.sparse_calls // 9
+            if summary.exchanges != buckets or state.decode_failures() or not 0.005 < summary.density < 0.02:
+                failures.append(f"capacity_factor, overlap={overlap}: {summary}, {state.decode_failures()} failures")
     except Exception:  # noqa: BLE001 (report to the test)
         failures.append(traceback.format_exc())
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spccl_train.pruning import PruneConfig, Pruner, reference, uses_triton
+from spccl_train.pruning import PruneConfig, Pruner, cap_ranges, cap_ranges_reference, reference, uses_triton
 
 pytest.importorskip("triton")
 from spccl_train.pruning.prune_ef import prune_error_feedback  # noqa: E402
@@ -207,3 +207,107 @@ def test_pruner_argument_errors():
     with pytest.raises(ValueError, match="contiguous"):
         g2 = torch.randn(10, 2, device=DEVICE).t()
         pruner.prune(g2, pruner.new_error_buffer(g2.contiguous()), step=0)
+
+
+# ----------------------------------------------------------------------------- per-range caps
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    data=st.data(),
+    grad_dtype=st.sampled_from(DTYPES),
+    error_dtype=st.sampled_from(DTYPES),
+    density=st.sampled_from([0.0, 0.01, 0.3, 1.0]),
+)
+def test_cap_kernels_match_reference(data, grad_dtype, error_dtype, density):
+    """Fresh ranges, caps and values each run: the kernels equal the reference bit for bit, every
+    range keeps at most its cap (its first nonzeros), and nothing is lost."""
+    n = data.draw(st.integers(1, 3 * 4096 + 5), label="n")
+    cuts = sorted(data.draw(st.lists(st.integers(0, n), max_size=4), label="cuts"))
+    edges = [0, *cuts, n]
+    ranges = [(a, b - a) for a, b in zip(edges, edges[1:])]
+    caps = [data.draw(st.integers(0, max(0, numel + 2)), label="cap") for _, numel in ranges]
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    g = torch.Generator().manual_seed(seed)
+    grad = torch.randn(n, generator=g)
+    grad[torch.rand(n, generator=g) >= density] = 0.0
+    grad[torch.rand(n, generator=g) < 0.05] = -0.0  # a zero to the codecs: never counted
+    grad[torch.rand(n, generator=g) < 0.01] = float("nan")  # nonzero to the codecs
+    grad = grad.to(grad_dtype).to(DEVICE)
+    error = torch.where(grad == 0, torch.randn(n, generator=g).to(DEVICE), torch.zeros((), device=DEVICE))
+    error = error.to(error_dtype)
+    grad_before, error_before = grad.clone(), error.clone()
+    expected_grad, expected_error = grad.clone().cpu(), error.clone().cpu()
+    expected_deferred = cap_ranges_reference(expected_grad, expected_error, ranges, caps)
+    deferred = cap_ranges(grad, error, ranges, caps)
+    _assert_same(grad.cpu(), expected_grad)
+    _assert_same(error.cpu(), expected_error)
+    assert int(deferred) == int(expected_deferred)
+    after = grad.cpu()
+    for (start, numel), cap in zip(ranges, caps):
+        assert int((after[start : start + numel] != 0).sum()) <= cap
+    # nothing lost: each moved value now sits in the error buffer, everything else is untouched
+    original_grad = grad_before.cpu()
+    moved = _bits(after) != _bits(original_grad)
+    assert int(moved.sum()) == int(deferred)
+    assert bool((after[moved] == 0).all())
+    _assert_same(error.cpu()[moved], original_grad[moved].to(error_dtype))
+    _assert_same(error.cpu()[~moved], error_before.cpu()[~moved])
+
+
+def test_cap_defers_the_last_nonzeros_of_a_range():
+    grad = torch.tensor([0.0, 1.0, 2.0, -0.0, 3.0, 4.0, 5.0, 6.0], device=DEVICE)
+    error = torch.zeros(8, device=DEVICE)
+    deferred = cap_ranges(grad, error, [(0, 4), (4, 4)], [1, 3])
+    assert grad.tolist() == [0.0, 1.0, 0.0, 0.0, 3.0, 4.0, 5.0, 0.0]
+    assert error.tolist() == [0.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0, 6.0]
+    assert int(deferred) == 2
+
+
+def test_cap_argument_errors():
+    grad, error = torch.zeros(8), torch.zeros(8)
+    with pytest.raises(ValueError, match="2 ranges but 1 caps"):
+        cap_ranges(grad, error, [(0, 4), (4, 4)], [1])
+    with pytest.raises(ValueError, match="caps must be >= 0"):
+        cap_ranges(grad, error, [(0, 4)], [-1])
+    with pytest.raises(ValueError, match="lies outside the 8 elements"):
+        cap_ranges(grad, error, [(6, 4)], [1])
+    with pytest.raises(ValueError, match="1-D tensors of one shape"):
+        cap_ranges(grad, torch.zeros(9), [(0, 4)], [1])
+
+
+@pytest.mark.parametrize("grad_dtype", DTYPES)
+def test_prune_kernel_counts_blocks_for_the_caps(grad_dtype):
+    """The prune kernel's per-block counts give the caps the same result as counting afresh."""
+    n = 5 * 4096 + 123
+    g = torch.Generator().manual_seed(7)
+    grad = torch.randn(n, generator=g).to(grad_dtype).to(DEVICE)
+    error = torch.zeros(n, device=DEVICE)
+    threshold = torch.tensor([0.5], device=DEVICE)
+    ranges, caps = [(0, 2 * 4096), (2 * 4096, 3 * 4096 + 123)], [900, 1500]
+    fused_grad, fused_error = grad.clone(), error.clone()
+    counts = torch.empty(6, dtype=torch.int32, device=DEVICE)
+    prune_error_feedback(fused_grad, fused_error, threshold, 0.9, counts)
+    expected_counts = [int((fused_grad[i * 4096 : (i + 1) * 4096] != 0).sum()) for i in range(6)]
+    assert counts.tolist() == expected_counts
+    deferred = cap_ranges(fused_grad, fused_error, ranges, caps, block_counts=counts)
+    ref_grad, ref_error = grad.clone().cpu(), error.clone().cpu()
+    reference.prune_with_error_feedback(ref_grad, ref_error, threshold.cpu(), 0.9)
+    ref_deferred = cap_ranges_reference(ref_grad, ref_error, ranges, caps)
+    _assert_same(fused_grad.cpu(), ref_grad)
+    _assert_same(fused_error.cpu(), ref_error)
+    assert int(deferred) == int(ref_deferred) > 0
+    with pytest.raises(ValueError, match="block boundaries"):
+        cap_ranges(fused_grad, fused_error, [(100, 4096)], [1], block_counts=counts)
+
+
+def test_pruner_caps_ranges():
+    pruner = Pruner(PruneConfig(density=0.2, sample_fraction=0.5))
+    grad = torch.randn(3 * 4096, device=DEVICE)
+    error = pruner.new_error_buffer(grad)
+    total = grad.clone()
+    result = pruner.prune(grad, error, step=0, caps=([(0, 4096), (4096, 8192)], [10, 100000]))
+    assert int((grad[:4096] != 0).sum()) == 10
+    assert int(result.deferred) == int(result.kept) - int((grad != 0).sum())
+    kept = grad != 0
+    torch.testing.assert_close(grad[kept], total[kept])

@@ -16,6 +16,7 @@ import functools
 import logging
 import threading
 import weakref
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,16 @@ from .choice import decide, plan_candidate
 from .chunking import ChunkLayout, count_nonzero_pieces
 from .config import CollectiveConfig
 from .cost import CostModel
-from .exchange import Problem, Request, check_table, config_code, exchange_counts, exchange_reduced_counts
+from .exchange import (
+    Problem,
+    Request,
+    check_bounds,
+    check_local,
+    check_table,
+    config_code,
+    exchange_counts,
+    exchange_reduced_counts,
+)
 from .plan import Plan, bound_reduced_counts, plan_all_gather
 from .topology import Topology
 
@@ -147,6 +157,7 @@ def all_gather_into_tensor(
     *,
     planning_group: dist.ProcessGroup | None = None,
     planning_stream: torch.cuda.Stream | None = None,
+    bounds: Sequence[Sequence[int]] | None = None,
 ) -> CollectiveWork | None:
     """Gather every rank's ``input`` into ``output`` (rank ``q``'s at ``q * input.numel()``), sparsely.
 
@@ -164,6 +175,20 @@ def all_gather_into_tensor(
             (default: the current stream). ``input`` must be ready on it; the transfers and
             codecs run on the current stream, after it. With ``planning_group`` this lets a
             caller plan call ``k + 1`` while call ``k``'s kernels are still queued.
+        bounds: upper bounds on the nonzeros, in the layout of the count table the planning
+            exchange would gather: ``bounds[q][c * channels + k]`` bounds piece ``k`` of chunk
+            ``c`` as rank ``q`` holds it (an all-gather reads each row's first ``channels``:
+            rank ``q``'s input). Given, the call skips counting and the planning exchange and
+            plans from the bounds, with **no host synchronisation**; messages are sized for the
+            bounds (an all-reduce sizes its gather phase from them too). The caller promises
+            that every rank passes the same bounds and the same kind of call (nothing checks
+            the ranks against each other; local argument errors still raise, on this rank),
+            and that no piece holds more nonzeros than its bound. A piece that does is
+            truncated by the CUDA encoders, its decoders report it in
+            :attr:`CollectiveStats.decode_status`, and the result is wrong; the torch
+            reference encoder (CPU) raises ``PayloadTooSmallError`` on that rank instead.
+            :func:`spccl_train.pruning.cap_ranges` makes pruned gradients keep such bounds
+            (the DDP hook's ``capacity_factor``).
 
     Returns:
         A :class:`CollectiveWork` when ``async_op``, else ``None``.
@@ -173,7 +198,7 @@ def all_gather_into_tensor(
         >>> out = torch.empty(world * g.numel(), device=g.device)
         >>> spccl_train.all_gather_into_tensor(out, g, config=CollectiveConfig(format="pici"))
     """
-    return _call("all_gather", output, input, group, async_op, config, planning_group, planning_stream)
+    return _call("all_gather", output, input, group, async_op, config, planning_group, planning_stream, bounds)
 
 
 def reduce_scatter_tensor(
@@ -186,6 +211,7 @@ def reduce_scatter_tensor(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     planning_group: dist.ProcessGroup | None = None,
     planning_stream: torch.cuda.Stream | None = None,
+    bounds: Sequence[Sequence[int]] | None = None,
 ) -> CollectiveWork | None:
     """Sum ``input`` over ranks and leave slice ``rank`` of the sum in ``output``, sparsely.
 
@@ -194,7 +220,8 @@ def reduce_scatter_tensor(
             this rank's slice of ``input`` (in place).
         input: contiguous float32 / bfloat16 / float16 tensor; never modified (unless ``output``
             is its slice).
-        group, async_op, config, planning_group, planning_stream: as for :func:`all_gather_into_tensor`.
+        group, async_op, config, planning_group, planning_stream, bounds: as for
+            :func:`all_gather_into_tensor`.
         op: only ``ReduceOp.SUM``.
 
     Example::
@@ -203,7 +230,7 @@ def reduce_scatter_tensor(
         >>> spccl_train.reduce_scatter_tensor(shard, g)
     """
     _check_op(op, "reduce_scatter_tensor")
-    return _call("reduce_scatter", output, input, group, async_op, config, planning_group, planning_stream)
+    return _call("reduce_scatter", output, input, group, async_op, config, planning_group, planning_stream, bounds)
 
 
 def all_reduce(
@@ -215,12 +242,14 @@ def all_reduce(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     planning_group: dist.ProcessGroup | None = None,
     planning_stream: torch.cuda.Stream | None = None,
+    bounds: Sequence[Sequence[int]] | None = None,
 ) -> CollectiveWork | None:
     """Sum ``tensor`` over ranks, in place, sparsely.
 
     Args:
         tensor: contiguous float32 / bfloat16 / float16 tensor, any shape; holds the sum after.
-        group, async_op, config, planning_group, planning_stream: as for :func:`all_gather_into_tensor`.
+        group, async_op, config, planning_group, planning_stream, bounds: as for
+            :func:`all_gather_into_tensor`.
         op: only ``ReduceOp.SUM``.
 
     Example::
@@ -228,7 +257,7 @@ def all_reduce(
         >>> spccl_train.all_reduce(grad, config=CollectiveConfig(format="pici", ranks_per_node=4))
     """
     _check_op(op, "all_reduce")
-    return _call("all_reduce", tensor, tensor, group, async_op, config, planning_group, planning_stream)
+    return _call("all_reduce", tensor, tensor, group, async_op, config, planning_group, planning_stream, bounds)
 
 
 def _check_op(op: object, api: str) -> None:
@@ -247,6 +276,7 @@ def _call(
     config: CollectiveConfig | None,
     planning_group: dist.ProcessGroup | None = None,
     planning_stream: torch.cuda.Stream | None = None,
+    bounds: Sequence[Sequence[int]] | None = None,
 ) -> CollectiveWork | None:
     for name, t in (("output", output), ("input", input)):
         if not isinstance(t, torch.Tensor):
@@ -268,7 +298,7 @@ def _call(
     if planning_stream is not None and not input.is_cuda:
         planning_stream = None  # CPU work is ordered by the host
     with torch.no_grad():
-        stats, event = _run(collective, transport, config, input, output, planner, planning_stream)
+        stats, event = _run(collective, transport, config, input, output, planner, planning_stream, bounds)
     _local.stats = stats
     return CollectiveWork([output], stats, event) if async_op else None
 
@@ -365,6 +395,7 @@ def _run(
     out: torch.Tensor,
     planner: P2PTransport,
     planning_stream: torch.cuda.Stream | None,
+    bounds: Sequence[Sequence[int]] | None = None,
 ) -> tuple[CollectiveStats, torch.cuda.Event | None]:
     p, r = transport.world, transport.rank
     timer = Span(inp.device)
@@ -407,16 +438,28 @@ def _run(
         return stats, timer.stop()
 
     x = inp.view(-1) if not problems else inp
-    counts = None
-    with torch.cuda.stream(planning_stream) if planning_stream is not None else contextlib.nullcontext():
-        if not problems:
-            if collective == "all_gather":
-                counts = count_nonzero_pieces(x, layout, [r], base=layout.chunks[r].start)
-            else:
-                counts = count_nonzero_pieces(x, layout)
-        table, xdev = exchange_counts(planner, request, counts, p * config.channels)
-    if planning_stream is not None:  # what the planning stream waited for, the transfers wait for too
-        torch.cuda.current_stream(inp.device).wait_stream(planning_stream)
+    if bounds is not None:  # planned from the caller's bounds: no count, no exchange, no synchronisation
+        check_local(request, p, transport.backend)
+        table = check_bounds(bounds, layout, collective)
+        if config.gather_counts == "measured" and collective == "all_reduce":
+            raise ValueError(
+                "spccl_train.all_reduce: gather_counts='measured' needs a second count exchange, which a call with "
+                "bounds does not make; use gather_counts='auto' or 'bound'"
+            )
+        if config.gather_counts == "auto":  # nothing to measure: the gather phase is sized from the bounds
+            config = dataclasses.replace(config, gather_counts="bound")
+            fingerprint = config.fingerprint()
+    else:
+        counts = None
+        with torch.cuda.stream(planning_stream) if planning_stream is not None else contextlib.nullcontext():
+            if not problems:
+                if collective == "all_gather":
+                    counts = count_nonzero_pieces(x, layout, [r], base=layout.chunks[r].start)
+                else:
+                    counts = count_nonzero_pieces(x, layout)
+            table, xdev = exchange_counts(planner, request, counts, p * config.channels)
+        if planning_stream is not None:  # what the planning stream waited for, the transfers wait for too
+            torch.cuda.current_stream(inp.device).wait_stream(planning_stream)
     # From here on every rank holds the same valid table and computes the same decisions.
     topology = Topology(p, config.ranks_per_node)
     model = config.cost_model or _default_model(inp.device)
@@ -425,7 +468,7 @@ def _run(
     plan = plan_candidate(choice, collective, config, table, layout, inp.dtype, topology)
     sink = StatusSink(inp.device)
     y = out.view(-1)
-    exchanges = 1
+    exchanges = 0 if bounds is not None else 1
     if choice.algorithm == "native":
         _native(collective, transport, x, y)
         chunk_bytes = layout.numel // p * inp.element_size()

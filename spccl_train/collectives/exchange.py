@@ -21,6 +21,7 @@ import torch
 
 from ..formats import MAX_ELEMENTS, SUPPORTED_DTYPES
 from ..transport import P2PTransport
+from .chunking import ChunkLayout
 
 __all__ = [
     "Problem",
@@ -33,6 +34,8 @@ __all__ = [
     "exchange_counts",
     "exchange_reduced_counts",
     "check_table",
+    "check_local",
+    "check_bounds",
 ]
 
 _MAGIC = 0x5350_434C_0001  # "SPCL", protocol 1
@@ -236,6 +239,54 @@ def check_table(table: list[list[int]], collective: str, world: int, backend: st
             "collective on its own, so pass an equal config (format, algorithm, thresholds, ranks_per_node, "
             "channels, cost_model) everywhere"
         )
+
+
+def check_local(request: Request, world: int, backend: str = "?") -> None:
+    """Raise ``ValueError`` on this rank if its own call is invalid (a call with bounds exchanges nothing)."""
+    if not request.problems:
+        return
+    row = request.header()
+    f = {name: i for i, name in enumerate(HEADER_FIELDS)}
+    text = "; ".join(
+        _describe(flag, row, f, request.collective, world, backend)
+        for flag in Problem
+        if flag and flag in request.problems
+    )
+    raise ValueError(
+        f"spccl_train.{API_NAMES[request.collective]}: invalid arguments on this rank (a call with bounds makes no "
+        f"planning exchange, so the other ranks are not told): {text}"
+    )
+
+
+def check_bounds(bounds: object, layout: ChunkLayout, collective: str) -> list[list[int]]:
+    """``bounds`` as a count table (lists of ints), or ``ValueError`` naming what is wrong with it.
+
+    Row ``q`` has ``world * channels`` entries, the bound of each piece as rank ``q`` holds it,
+    each in ``[0, piece numel]``; for an all-gather only the first ``channels`` (rank ``q``'s
+    input) are read, and they are checked against rank ``q``'s chunk.
+    """
+    p, ch = layout.world, layout.channels
+    api = f"spccl_train.{API_NAMES[collective]}"
+    try:
+        table = [[int(b) for b in row] for row in bounds]  # type: ignore[union-attr]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{api}: bounds must be a sequence of {p} rows of {p * ch} ints ({exc})") from None
+    if len(table) != p or any(len(row) != p * ch for row in table):
+        shape = [len(row) for row in table]
+        raise ValueError(
+            f"{api}: bounds has rows of lengths {shape}; it needs {p} rows (one per rank) of world * channels = "
+            f"{p * ch} piece bounds"
+        )
+    sizes = [piece.numel for chunk in layout.pieces for piece in chunk]
+    for q, row in enumerate(table):
+        limits = [piece.numel for piece in layout.pieces[q]] if collective == "all_gather" else sizes
+        for k, (b, n) in enumerate(zip(row, limits)):
+            if not 0 <= b <= n:
+                raise ValueError(
+                    f"{api}: bounds[{q}][{k}] = {b} is not a nonzero count of a piece of {n} elements; "
+                    f"pass a bound in [0, {n}]"
+                )
+    return table
 
 
 def _describe(flag: Problem, row: list[int], f: dict[str, int], collective: str, world: int, backend: str) -> str:

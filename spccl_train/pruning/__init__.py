@@ -1,10 +1,13 @@
 """Gradient layer: sampled top-k pruning with leaky error feedback (Triton kernels + torch reference)."""
 
+from .cap import cap_ranges, cap_ranges_reference
 from .pruner import PruneConfig, Pruner, PruneResult, uses_triton
 from .reference import keep_count, prune_with_error_feedback, sample_size, threshold_from_sample
 
 __all__ = [
     "PruneConfig",
+    "cap_ranges",
+    "cap_ranges_reference",
     "PruneResult",
     "Pruner",
     "keep_count",

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 
 import torch
 
 from .._triton import triton_importable
 from . import reference
 
-__all__ = ["PruneConfig", "PruneResult", "Pruner", "uses_triton"]
+__all__ = ["PRUNE_BLOCK", "PruneConfig", "PruneResult", "Pruner", "uses_triton"]
 
+PRUNE_BLOCK = 4096
+"""Elements per program of the fused prune kernel, and per entry of the block counts it can
+leave for :func:`~.cap.cap_ranges`."""
 _ERROR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -91,6 +95,17 @@ class PruneResult:
     """One-element integer tensor: elements kept."""
     numel: int
     """Elements pruned."""
+    deferred: torch.Tensor | None = None
+    """One-element int64 tensor: nonzeros the per-range caps moved back into the error buffer
+    (``None`` when :meth:`Pruner.prune` got no caps)."""
+
+
+def _block_aligned(ranges: Sequence[tuple[int, int]], n: int) -> bool:
+    """Whether every range starts on a prune block and ends on one or at ``n``."""
+    return all(
+        start % PRUNE_BLOCK == 0 and ((start + numel) % PRUNE_BLOCK == 0 or start + numel == n)
+        for start, numel in ranges
+    )
 
 
 class Pruner:
@@ -131,6 +146,7 @@ class Pruner:
         step: int,
         buffer: int = 0,
         schedule_step: int | None = None,
+        caps: tuple[Sequence[tuple[int, int]], Sequence[int]] | None = None,
     ) -> PruneResult:
         """Prune ``grad`` in place, folding in and refilling ``error``; no host synchronisation.
 
@@ -148,6 +164,10 @@ class Pruner:
                 (:attr:`PruneConfig.warmup_steps`); ``None``: ``step``. Callers that reduce the
                 first steps densely pass ``step`` minus those, so that the warm-up starts when
                 pruning does.
+            caps: ``(ranges, limits)``: then at most ``limits[i]`` nonzeros stay in range
+                ``ranges[i] = (start, numel)`` of the flat gradient, the rest deferred to the error
+                buffer (:func:`~.cap.cap_ranges`). Ranges that start on :data:`PRUNE_BLOCK`
+                boundaries are counted by the prune kernel itself, saving a pass.
         """
         self._check(grad, error)
         cfg = self.config
@@ -171,13 +191,21 @@ class Pruner:
             index = torch.randint(0, n, (m,), generator=generator, device=g.device)
             sample = (g[index].to(torch.float32) + e[index].to(torch.float32)).abs()
             threshold = reference.threshold_from_sample(sample, density)
+        block_counts = None
         if on_triton:
             from .prune_ef import prune_error_feedback
 
-            kept = prune_error_feedback(g, e, threshold, cfg.decay)
+            if caps is not None and _block_aligned(caps[0], n):
+                block_counts = torch.empty(-(-n // PRUNE_BLOCK), dtype=torch.int32, device=g.device)
+            kept = prune_error_feedback(g, e, threshold, cfg.decay, block_counts)
         else:
             kept = reference.prune_with_error_feedback(g, e, threshold, cfg.decay)
-        return PruneResult(threshold=threshold, kept=kept, numel=n)
+        deferred = None
+        if caps is not None:
+            from .cap import cap_ranges
+
+            deferred = cap_ranges(g, e, caps[0], caps[1], block_counts=block_counts)
+        return PruneResult(threshold=threshold, kept=kept, numel=n, deferred=deferred)
 
     def _check(self, grad: torch.Tensor, error: torch.Tensor) -> None:
         if grad.dtype not in _GRAD_DTYPES:

@@ -184,6 +184,12 @@ class SpcclConfig:
     from the first one after ``dense_iterations``, the kept fraction decays exponentially from 1
     to ``density`` (``density ** ((s + 1) / (warmup_steps + 1))`` at sparse iteration ``s``);
     ``density`` from iteration ``dense_iterations + warmup_steps`` on. 0: no warm-up."""
+    capacity_factor: float = dataclasses.field(default=0.0, metadata=_at_least(0.0))
+    """0: every sparse all-reduce plans from exchanged nonzero counts (a host synchronisation per
+    bucket). ``f >= 1``: after a bucket's first sparse iteration, each piece of it keeps at most
+    ``f`` times its share of ``density`` (the excess waits in the error buffer) and the all-reduce
+    is planned from those bounds, with no host synchronisation (see
+    ``spccl_train.ddp.SparseHookState``)."""
     overlap: str = dataclasses.field(default="off", metadata=_choices("auto", "on", "off", "stream"))
     """Where buckets are pruned and reduced: ``off`` in line on the current stream, ``stream`` on a
     side CUDA stream from the hook's thread, ``on`` on a background thread and side stream
@@ -246,6 +252,13 @@ class ExperimentConfig:
             raise ConfigError(
                 f"data.tokenizer_vocab_size={d.tokenizer_vocab_size} exceeds model.vocab_size={m.vocab_size}"
             )
+        s = self.spccl
+        if 0 < s.capacity_factor < 1:
+            raise ConfigError(
+                f"spccl.capacity_factor={s.capacity_factor}: use 0 (plan from exchanged counts) or a factor >= 1"
+            )
+        if s.capacity_factor and not s.prune:
+            raise ConfigError("spccl.capacity_factor needs spccl.prune=true: without pruning nothing bounds a bucket")
 
 
 def _check_value(where: str, field: dataclasses.Field, hint: object, value: object) -> object:

@@ -17,6 +17,7 @@ import math
 import os
 import pathlib
 import socket
+import statistics
 import sys
 import time
 
@@ -47,6 +48,10 @@ class IterationRecord:
     density: float
     bytes_sent: int
     dense_bytes: int
+    deferred: int = 0
+    """Elements pruning kept but the capacity bound deferred to a later iteration (``spccl.capacity_factor``)."""
+    exchanges: int = 0
+    """Planning exchanges (host synchronisations) of the iteration's sparse all-reduces."""
 
 
 def _free_port() -> int:
@@ -135,6 +140,7 @@ def _hook(cfg: ExperimentConfig, model: torch.nn.parallel.DistributedDataParalle
         warmup_steps=s.warmup_steps,
         seed=cfg.train.seed,
         overlap={"auto": None, "on": True, "off": False, "stream": "stream"}[s.overlap],
+        capacity_factor=s.capacity_factor or None,
     )
     model.register_comm_hook(state, spccl_ddp.sparse_allreduce_hook)
     return state
@@ -222,6 +228,8 @@ def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pa
             density=hook.density if hook.elements else 1.0,
             bytes_sent=hook.bytes_sent,
             dense_bytes=hook.dense_bytes,
+            deferred=hook.deferred,
+            exchanges=hook.exchanges,
         )
     log.close()
     if rank != 0:
@@ -348,11 +356,14 @@ def summarize(records: list[IterationRecord], warmup: int, info: dict) -> dict:
         "warmup_iterations": warmup,
         "summarised_iterations": n,
         "iteration_ms": 1e3 * mean("time_s"),
+        "iteration_ms_median": 1e3 * statistics.median(r.time_s for r in kept),
         "allreduce_ms": 1e3 * mean("allreduce_s"),
         "prune_ms": 1e3 * mean("prune_s"),
         "tokens_per_s": info["tokens_per_iteration"] / mean("time_s"),
         "density": mean("density"),
         "bytes_ratio": sent / dense if dense else 0.0,
+        "deferred_per_iteration": mean("deferred"),
+        "exchanges_per_iteration": mean("exchanges"),
         "first_loss": records[0].loss,
         "final_loss": sum(r.loss for r in tail) / len(tail),
     }
