@@ -42,6 +42,14 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 # ----------------------------------------------------------------------------- jobs (run on every rank)
 
 
+def _bucket_before_hook(state: SparseHookState, bucket: dist.GradBucket):
+    """``(index, buffer, v, iteration, sparse)`` as the hook finds the bucket: ``v = g + e``."""
+    index, buffer = bucket.index(), bucket.buffer()
+    old = state.error_buffers.get(index)
+    error = old.clone() if old is not None and old.shape == buffer.shape else torch.zeros_like(buffer)
+    return index, buffer, buffer.clone() + error, state.iteration, state.iteration >= state.dense_iterations
+
+
 def _job_matches_default_ddp(rank: int, world: int, steps: int, overlap: bool | str | None = None) -> int:
     reference = DDP(_model(SEED), bucket_cap_mb=0.03)
     hooked = DDP(_model(SEED), bucket_cap_mb=0.03)
@@ -79,15 +87,9 @@ def _job_error_feedback(
     counts: dict[int, list[int]] = {}  # iteration -> [kept, elements]
 
     def checking_hook(state: SparseHookState, bucket: dist.GradBucket):
-        index, buffer = bucket.index(), bucket.buffer()
-        before = buffer.clone()
-        old = state.error_buffers.get(index)
-        error_before = old.clone() if old is not None and old.shape == buffer.shape else torch.zeros_like(buffer)
-        iteration = state.iteration
-        sparse = iteration >= state.dense_iterations
+        index, buffer, v, iteration, sparse = _bucket_before_hook(state, bucket)
         future = sparse_allreduce_hook(state, bucket)
         if sparse:
-            v = before + error_before
             keep = v.abs() >= state.last_prune[index].threshold
             expected = torch.where(keep, torch.zeros_like(v), v * decay)
             assert torch.equal(state.error_buffers[index], expected), f"bucket {index}: error buffer"
@@ -162,19 +164,13 @@ def _job_capacity(rank: int, world: int, steps: int, factor: float, overlap: boo
     exchanges: dict[int, int] = {}  # iteration -> planning exchanges made by its all-reduces
 
     def checking_hook(state: SparseHookState, bucket: dist.GradBucket):
-        index, buffer = bucket.index(), bucket.buffer()
-        before = buffer.clone()
-        old = state.error_buffers.get(index)
-        error_before = old.clone() if old is not None and old.shape == buffer.shape else torch.zeros_like(buffer)
-        iteration = state.iteration
-        sparse = iteration >= state.dense_iterations
+        index, buffer, v, iteration, sparse = _bucket_before_hook(state, bucket)
         calls_before = state.summary().exchanges
         future = sparse_allreduce_hook(state, bucket)
         if not sparse:
             return future
         reduced = future.wait()  # overlap=True reduces on a background thread
         exchanges[iteration] = exchanges.get(iteration, 0) + state.summary().exchanges - calls_before
-        v = before + error_before
         passed = v.abs() >= state.last_prune[index].threshold
         ranges, caps = _piece_caps(buffer.numel(), world, 1, 0.05, factor)
         sent = torch.zeros_like(v)
