@@ -42,6 +42,20 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 # ----------------------------------------------------------------------------- jobs (run on every rank)
 
 
+def _backward_steps(model: nn.Module, rank: int, steps: int) -> None:
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        model.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+
+
+def _assert_mean_of_contributions(reduced: torch.Tensor, contributed: torch.Tensor, world: int) -> None:
+    """``reduced`` is the mean over the ranks of what each contributed."""
+    everyone = [torch.empty_like(contributed) for _ in range(world)]
+    dist.all_gather(everyone, contributed)
+    torch.testing.assert_close(reduced, torch.stack(everyone).sum(0) / world, rtol=1e-5, atol=1e-7)
+
+
 def _bucket_before_hook(state: SparseHookState, bucket: dist.GradBucket):
     """``(index, buffer, v, iteration, sparse)`` as the hook finds the bucket: ``v = g + e``."""
     index, buffer = bucket.index(), bucket.buffer()
@@ -97,10 +111,7 @@ def _job_error_feedback(
             assert kept == int(keep.sum())
             # What this rank contributed is exactly v where kept: gather everyone's and compare.
             contributed = torch.where(keep, v, torch.zeros_like(v))
-            everyone = [torch.empty_like(contributed) for _ in range(dist.get_world_size())]
-            reduced = future.wait()
-            dist.all_gather(everyone, contributed)
-            torch.testing.assert_close(reduced, torch.stack(everyone).sum(0) / world, rtol=1e-5, atol=1e-7)
+            _assert_mean_of_contributions(future.wait(), contributed, world)
             sizes.append(buffer.numel())
             count = counts.setdefault(iteration, [0, 0])
             count[0] += kept
@@ -108,10 +119,7 @@ def _job_error_feedback(
         return future
 
     model.register_comm_hook(state, checking_hook)
-    for step in range(steps):
-        x, y = _batch(rank, step)
-        model.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
+    _backward_steps(model, rank, steps)
     return sizes, {iteration: kept / elements for iteration, (kept, elements) in counts.items()}
 
 
@@ -183,16 +191,11 @@ def _job_capacity(rank: int, world: int, steps: int, factor: float, overlap: boo
         deferred = passed & (sent == 0)
         expected_error = torch.where(passed, torch.where(deferred, v, torch.zeros(())), v * decay)
         assert torch.equal(state.error_buffers[index], expected_error), f"bucket {index}: error buffer"
-        everyone = [torch.empty_like(sent) for _ in range(world)]
-        dist.all_gather(everyone, sent)
-        torch.testing.assert_close(reduced, torch.stack(everyone).sum(0) / world, rtol=1e-5, atol=1e-7)
+        _assert_mean_of_contributions(reduced, sent, world)
         return future
 
     model.register_comm_hook(state, checking_hook)
-    for step in range(steps):
-        x, y = _batch(rank, step)
-        model.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
+    _backward_steps(model, rank, steps)
     summary = state.summary()
     return {"exchanges": exchanges, "deferred": summary.deferred, "failures": state.decode_failures()}
 
