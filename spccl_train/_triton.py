@@ -1,10 +1,16 @@
-"""Whether Triton can be imported here (it is optional: CPU-only installs may lack it)."""
+"""Helpers of the Triton launches: whether Triton imports here (it is optional: CPU-only installs
+may lack it), and the small int64 tables the kernels read, made once per value and device."""
 
 from __future__ import annotations
 
 import functools
 
-__all__ = ["triton_importable"]
+import torch
+
+__all__ = ["triton_importable", "device_table"]
+
+_TABLES_KEPT = 256
+_tables: dict[tuple, torch.Tensor] = {}
 
 
 @functools.cache
@@ -15,3 +21,18 @@ def triton_importable() -> bool:
     except ImportError:
         return False
     return True
+
+
+def device_table(values: tuple, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values, dtype=int64)`` on ``device``, made once per ``(values, device)``.
+
+    Launch arguments such as range starts and lengths repeat from call to call (the same
+    buckets every step); copying them to the device each time would add a transfer per launch.
+    """
+    key = (values, device)
+    table = _tables.get(key)
+    if table is None:
+        if len(_tables) >= _TABLES_KEPT:
+            _tables.clear()  # a pure cache: forgetting costs one copy
+        table = _tables[key] = torch.tensor(values, dtype=torch.int64, device=device)
+    return table

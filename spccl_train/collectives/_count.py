@@ -15,12 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton import device_table
+
 __all__ = ["count_ranges"]
 
 _BLOCK = 2048
 _ITERS = 8
 _SPAN = _BLOCK * _ITERS
-_bounds: dict[tuple, torch.Tensor] = {}
 _RANGES_PER_LAUNCH = 65535  # the grid's second axis
 
 
@@ -41,19 +42,6 @@ def _count_kernel(x_ptr, starts_ptr, numels_ptr, out_ptr, BLOCK: tl.constexpr, I
         tl.atomic_add(out_ptr + i, tl.sum(acc).to(tl.int64), sem="relaxed")
 
 
-def _device_bounds(ranges: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
-    """``[starts; numels]`` as a (2, n) int64 tensor on ``device``, made once per set of ranges."""
-    key = (ranges, device)
-    bounds = _bounds.get(key)
-    if bounds is None:
-        if len(_bounds) >= 256:
-            _bounds.clear()
-        starts = [start for start, _ in ranges]
-        numels = [numel for _, numel in ranges]
-        bounds = _bounds[key] = torch.tensor([starts, numels], dtype=torch.int64, device=device)
-    return bounds
-
-
 def count_ranges(flat: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
     """Nonzero count of ``flat[start : start + numel]`` for every ``(start, numel)``: int64, on the device.
 
@@ -64,7 +52,7 @@ def count_ranges(flat: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> tor
         batch = ranges[first : first + _RANGES_PER_LAUNCH]
         widest = max(numel for _, numel in batch)
         if widest:
-            bounds = _device_bounds(batch, flat.device)
+            bounds = device_table((tuple(s for s, _ in batch), tuple(n for _, n in batch)), flat.device)
             grid = (triton.cdiv(widest, _SPAN), len(batch))
             _count_kernel[grid](flat, bounds[0], bounds[1], out[first:], BLOCK=_BLOCK, ITERS=_ITERS, num_warps=8)
     return out

@@ -447,8 +447,7 @@ def _run(
                 "bounds does not make; use gather_counts='auto' or 'bound'"
             )
         if config.gather_counts == "auto":  # nothing to measure: the gather phase is sized from the bounds
-            config = dataclasses.replace(config, gather_counts="bound")
-            fingerprint = config.fingerprint()
+            config, fingerprint = _bounded_config(config, fingerprint)
     else:
         counts = None
         with torch.cuda.stream(planning_stream) if planning_stream is not None else contextlib.nullcontext():
@@ -531,6 +530,21 @@ def _run(
             plan.describe() if plan else "native",
         )
     return stats, event
+
+
+_bounded_configs: dict[str, tuple[CollectiveConfig, str]] = {}
+
+
+def _bounded_config(config: CollectiveConfig, fingerprint: str) -> tuple[CollectiveConfig, str]:
+    """``config`` with ``gather_counts="bound"`` and its fingerprint, made once per fingerprint
+    (equal fingerprints plan alike; a call with bounds repeats every training step)."""
+    hit = _bounded_configs.get(fingerprint)
+    if hit is None:
+        if len(_bounded_configs) >= 64:
+            _bounded_configs.clear()
+        bounded = dataclasses.replace(config, gather_counts="bound")
+        hit = _bounded_configs[fingerprint] = (bounded, bounded.fingerprint())
+    return hit
 
 
 def _native(collective: str, transport: P2PTransport, x: torch.Tensor, y: torch.Tensor) -> None:

@@ -213,10 +213,7 @@ def check_table(table: list[list[int]], collective: str, world: int, backend: st
     for q, r in enumerate(table):
         flags = Problem(r[f["problems"]])
         if flags:
-            text = "; ".join(
-                _describe(flag, r, f, collective, world, backend) for flag in Problem if flag and flag in flags
-            )
-            problems.append(f"rank {q}: {text}")
+            problems.append(f"rank {q}: {_problems_text(r, collective, world, backend)}")
     if problems:
         raise ValueError(f"{api}: invalid arguments on {len(problems)} of {world} ranks. " + " | ".join(problems))
     for field, what in (("numel", "input numel"), ("dtype", "dtype"), ("out_numel", "output numel")):
@@ -245,13 +242,7 @@ def check_local(request: Request, world: int, backend: str = "?") -> None:
     """Raise ``ValueError`` on this rank if its own call is invalid (a call with bounds exchanges nothing)."""
     if not request.problems:
         return
-    row = request.header()
-    f = {name: i for i, name in enumerate(HEADER_FIELDS)}
-    text = "; ".join(
-        _describe(flag, row, f, request.collective, world, backend)
-        for flag in Problem
-        if flag and flag in request.problems
-    )
+    text = _problems_text(request.header(), request.collective, world, backend)
     raise ValueError(
         f"spccl_train.{API_NAMES[request.collective]}: invalid arguments on this rank (a call with bounds makes no "
         f"planning exchange, so the other ranks are not told): {text}"
@@ -287,6 +278,13 @@ def check_bounds(bounds: object, layout: ChunkLayout, collective: str) -> list[l
                     f"pass a bound in [0, {n}]"
                 )
     return table
+
+
+def _problems_text(row: list[int], collective: str, world: int, backend: str) -> str:
+    """Every problem flagged in a header row, described and joined."""
+    f = {name: i for i, name in enumerate(HEADER_FIELDS)}
+    flags = Problem(row[f["problems"]])
+    return "; ".join(_describe(flag, row, f, collective, world, backend) for flag in Problem if flag and flag in flags)
 
 
 def _describe(flag: Problem, row: list[int], f: dict[str, int], collective: str, world: int, backend: str) -> str:

@@ -20,16 +20,16 @@ Triton kernels in Triton's interpreter when ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 
+from .._triton import device_table
 from .pruner import PRUNE_BLOCK as BLOCK
 from .pruner import uses_triton
 
 __all__ = ["cap_ranges", "cap_ranges_reference"]
-
-_tables: dict[tuple, torch.Tensor] = {}
 
 
 def cap_ranges(
@@ -102,16 +102,6 @@ def cap_ranges_reference(
     return deferred
 
 
-def _device_table(values: tuple, device: torch.device) -> torch.Tensor:
-    key = (values, device)
-    table = _tables.get(key)
-    if table is None:
-        if len(_tables) >= 256:
-            _tables.clear()
-        table = _tables[key] = torch.tensor(values, dtype=torch.int64, device=device)
-    return table
-
-
 def _cap_triton(
     grad: torch.Tensor, error: torch.Tensor, ranges: tuple, caps: tuple, block_counts: torch.Tensor | None
 ) -> torch.Tensor:
@@ -120,8 +110,8 @@ def _cap_triton(
     from ._cap_kernels import block_counts_kernel, cap_blocks_kernel
 
     device = grad.device
-    bounds = _device_table((tuple(s for s, _ in ranges), tuple(n for _, n in ranges)), device)
-    cap = _device_table(caps, device)
+    bounds = device_table((tuple(s for s, _ in ranges), tuple(n for _, n in ranges)), device)
+    cap = device_table(caps, device)
     blocks = triton.cdiv(max(numel for _, numel in ranges), BLOCK)
     grid = (blocks, len(ranges))
     if block_counts is None:
@@ -136,17 +126,14 @@ def _cap_triton(
     return (counts - allowed).clamp_(min=0).sum().view(1)
 
 
+@functools.lru_cache(maxsize=256)
 def _block_index(ranges: tuple, blocks: int, total: int, device: torch.device) -> torch.Tensor:
-    """``[range, j]`` -> the global block holding block ``j`` of the range (``total``: past its end)."""
-    key = ("index", ranges, blocks, total, device)
-    index = _tables.get(key)
-    if index is None:
-        rows = []
-        for start, numel in ranges:
-            own = -(-numel // BLOCK)
-            first = start // BLOCK
-            rows.append([first + j if j < own else total for j in range(blocks)])
-        if len(_tables) >= 256:
-            _tables.clear()
-        index = _tables[key] = torch.tensor(rows, dtype=torch.int64, device=device)
-    return index
+    """``[range, j]`` -> the global block holding block ``j`` of the range (``total``: past its end).
+
+    Cached here on the small key: the table has a row of ``blocks`` entries per range.
+    """
+    rows = []
+    for start, numel in ranges:
+        own = -(-numel // BLOCK)
+        rows.append([start // BLOCK + j if j < own else total for j in range(blocks)])
+    return torch.tensor(rows, dtype=torch.int64, device=device)
