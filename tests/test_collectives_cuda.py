@@ -98,3 +98,101 @@ def test_collectives_over_nccl(tmp_path, monkeypatch):
     torch.multiprocessing.spawn(_rank, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world)
     for rank in range(world):
         assert (tmp_path / f"rank{rank}.txt").read_text() == "", f"rank {rank} failed"
+
+
+def _piece_bounds(mask: torch.Tensor, layout: ChunkLayout, collective: str) -> list[list[int]]:
+    """Exact per-piece nonzero counts of every rank's support (row q: rank q), as ``bounds=`` takes them."""
+    rows = []
+    for q in range(mask.shape[0]):
+        m = mask[q]
+        if collective == "all_gather":
+            own = layout.chunks[q].start
+            row = [int(m[p.start - own : p.stop - own].sum()) for p in layout.pieces[q]]
+            row += [0] * (layout.world - 1) * layout.channels
+        else:
+            row = [int(m[p.start : p.stop].sum()) for chunk in layout.pieces for p in chunk]
+        rows.append(row)
+    return rows
+
+
+def _rank_graphs(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    from spccl_train.collectives import cached_graphs, clear_graphs
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    failures = []
+    cases = itertools.product(
+        ["all_reduce", "reduce_scatter", "all_gather"],
+        ["ring", "direct"],
+        ["pici", "coo", "auto"],
+        [torch.float32, torch.bfloat16],
+    )
+    for collective, algorithm, fmt, dtype in cases:
+        what = f"{collective} {algorithm} {fmt} {dtype}"
+        n, channels = world * (3 * 4096 + 77), 2
+        layout = (
+            ChunkLayout.equal(world * n, world, channels)
+            if collective == "all_gather"
+            else ChunkLayout.aligned(n, world, channels)
+            if collective == "all_reduce"
+            else ChunkLayout.equal(n, world, channels)
+        )
+        g = torch.Generator(device=dev).manual_seed(7)
+        mask = torch.rand(world, n, device=dev, generator=g) < 0.02  # the same support every iteration
+        bounds = _piece_bounds(mask.cpu(), layout, collective)
+        cfg = CollectiveConfig(format=fmt, algorithm=algorithm, channels=channels, cuda_graphs=True)
+        mine = torch.empty(n, device=dev, dtype=dtype)
+        out_numel = {"all_reduce": n, "reduce_scatter": n // world, "all_gather": world * n}[collective]
+        out = mine if collective == "all_reduce" else torch.empty(out_numel, device=dev, dtype=dtype)
+        seen = []
+        for it in range(5):
+            xs = (torch.randn(world, n, device=dev, generator=g) * mask).to(dtype)
+            if it == 4:  # one piece over its bound on every rank: truncated, and reported by this replay only
+                xs[:, : 4096 * 2] = 1.0
+            mine.copy_(xs[rank])
+            if collective == "all_reduce":
+                spccl_train.all_reduce(mine, config=cfg, bounds=bounds)
+            elif collective == "reduce_scatter":
+                spccl_train.reduce_scatter_tensor(out, mine, config=cfg, bounds=bounds)
+            else:
+                spccl_train.all_gather_into_tensor(out, mine, config=cfg, bounds=bounds)
+            stats = last_stats()
+            seen.append(stats.graph)
+            status = int(stats.decode_status)
+            if it == 4:  # the ranks that decode a truncated payload report it
+                anywhere = torch.tensor([status], device=dev)
+                dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+                if not int(anywhere) and stats.algorithm != "native":
+                    failures.append(f"{what}: a broken bound was not reported ({stats.algorithm}/{stats.format})")
+                continue
+            ref = xs.double().sum(0)
+            tol = 2 * world * EPS[dtype] * xs.double().abs().sum(0)
+            if collective == "all_reduce":
+                ok = bool(((out.double() - ref).abs() <= tol).all())
+            elif collective == "reduce_scatter":
+                part = slice(rank * (n // world), (rank + 1) * (n // world))
+                ok = bool(((out.double() - ref[part]).abs() <= tol[part]).all())
+            else:
+                ok = torch.equal(out, xs.reshape(-1))
+            if not ok or status:
+                failures.append(f"{what} iteration {it}: wrong result or decode status {status} ({stats.graph!r})")
+        if seen != ["", "captured", "replayed", "replayed", "replayed"]:
+            failures.append(f"{what}: graph modes {seen}")
+    if cached_graphs() == 0:
+        failures.append("no graph cached")
+    clear_graphs()
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join(failures))
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_bounded_calls_replay_cuda_graphs(tmp_path, monkeypatch):
+    """cuda_graphs: eager, then captured, then replayed, each result exact on fresh data in the same tensors."""
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    world = min(4, torch.cuda.device_count())
+    torch.multiprocessing.spawn(_rank_graphs, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world)
+    for rank in range(world):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "", (tmp_path / f"rank{rank}.txt").read_text()

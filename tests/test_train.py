@@ -49,6 +49,7 @@ def test_default_is_tiny_cpu_with_spccl_on_two_gloo_ranks():
         ("spccl: {warmup_steps: 2.5}\n", "spccl.warmup_steps=2.5: expected an integer"),
         ("spccl: {capacity_factor: 0.5}\n", "spccl.capacity_factor=0.5: use 0 (plan from exchanged counts)"),
         ("spccl: {capacity_factor: 2, prune: false}\n", "spccl.capacity_factor needs spccl.prune=true"),
+        ("spccl: {cuda_graphs: true}\n", "spccl.cuda_graphs=true needs spccl.capacity_factor >= 1"),
         ("model: 3\n", "model: expected a mapping"),
         ("data: {seq_len: 4096}\n", "data.seq_len=4096 exceeds model.max_position=1024"),
         ("train: {iterations: 10, warmup_iterations: 10}\n", "train.warmup_iterations=10 leaves no iteration"),

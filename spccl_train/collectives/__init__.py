@@ -4,7 +4,8 @@
 their ``torch.distributed`` namesakes plus a :class:`CollectiveConfig`. Layers inside:
 :mod:`.chunking` (how tensors are cut), :mod:`.exchange` (the one planning exchange),
 :mod:`.plan` (format and size of every message), :mod:`.cost` (the model behind ``auto``),
-:mod:`.topology` (nodes), and the ring and direct executors. Design:
+:mod:`.topology` (nodes), :mod:`.graphs` (CUDA-graph replay of calls planned from bounds), and
+the ring and direct executors. Design:
 ``shared/design/ARCHITECTURE.md``.
 """
 
@@ -13,6 +14,7 @@ from .choice import Candidate, choose
 from .chunking import ChunkLayout, Span
 from .config import DEFAULT_THRESHOLDS, CollectiveConfig, ResolvedThresholds, Thresholds
 from .cost import CodecCost, CostModel, LinkCost
+from .graphs import cached_graphs, clear_graphs
 from .plan import Message, Phase, Plan, Route, Step, plan_all_gather, plan_reduce_scatter
 from .topology import Topology
 
@@ -27,6 +29,8 @@ __all__ = [
     "CollectiveWork",
     "CollectiveStats",
     "last_stats",
+    "clear_graphs",
+    "cached_graphs",
     "ChunkLayout",
     "Candidate",
     "choose",

@@ -41,6 +41,7 @@ from .exchange import (
     exchange_counts,
     exchange_reduced_counts,
 )
+from .graphs import graph_key, run_graphed
 from .plan import Plan, bound_reduced_counts, plan_all_gather
 from .topology import Topology
 
@@ -85,6 +86,9 @@ class CollectiveStats:
     """Bytes this rank put on the wire."""
     dense_bytes: int
     """Bytes this rank would have sent with a dense ring."""
+    graph: str
+    """``CollectiveConfig.cuda_graphs``: ``"captured"`` (this call was captured, then replayed),
+    ``"replayed"`` (it replayed an earlier capture), or ``""`` (it ran eagerly)."""
     _statuses: torch.Tensor | None
     _timer: Span
 
@@ -298,7 +302,13 @@ def _call(
     if planning_stream is not None and not input.is_cuda:
         planning_stream = None  # CPU work is ordered by the host
     with torch.no_grad():
-        stats, event = _run(collective, transport, config, input, output, planner, planning_stream, bounds)
+        if config.cuda_graphs and bounds is not None and input.is_cuda and transport.world > 1 and input.numel():
+            key = graph_key(collective, transport, input, output, config.fingerprint(), bounds)
+            stats, event = run_graphed(
+                key, input.device, lambda: _run(collective, transport, config, input, output, planner, None, bounds)
+            )
+        else:
+            stats, event = _run(collective, transport, config, input, output, planner, planning_stream, bounds)
     _local.stats = stats
     return CollectiveWork([output], stats, event) if async_op else None
 
@@ -432,6 +442,7 @@ def _run(
             gather_counts="",
             bytes_sent=0,
             dense_bytes=0,
+            graph="",
             _statuses=None,
             _timer=timer,
         )
@@ -516,6 +527,7 @@ def _run(
         gather_counts=choice.gather_counts,
         bytes_sent=sent,
         dense_bytes=dense,
+        graph="",
         _statuses=sink.collect(),
         _timer=timer,
     )

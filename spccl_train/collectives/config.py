@@ -118,6 +118,13 @@ class CollectiveConfig:
     """Pieces each chunk is cut into (1 to 64). Each piece is its own message, so on a GPU the
     compression of piece k+1 overlaps the transfer of piece k; more pieces also make the
     per-message format decisions finer. Must be equal on every rank: it sizes the count exchange."""
+    cuda_graphs: bool = False
+    """CUDA only, calls with ``bounds=`` only (they make no host synchronisation): run the second
+    call with the same tensors, bounds, group, config and stream as a captured CUDA graph and
+    replay it from then on (:mod:`.graphs`), so a call costs ~10 us of host time instead of the
+    eager path's Python. Each cached graph keeps its scratch memory; call
+    :func:`~.graphs.clear_graphs` before ``destroy_process_group``. Other calls run as usual.
+    It does not change the plan, so ranks may differ in it."""
     cost_model: CostModel | None = None
     """Link and codec speeds for ``"auto"``; ``None`` uses :meth:`CostModel.default` for the
     tensor's device (conservative figures, documented there)."""
@@ -155,11 +162,14 @@ class CollectiveConfig:
         ch = self.channels
         if isinstance(ch, bool) or not isinstance(ch, int) or not 1 <= ch <= MAX_CHANNELS:
             raise ValueError(f"channels={ch!r} must be an int from 1 to {MAX_CHANNELS}; 1 disables piece pipelining")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs={self.cuda_graphs!r} must be True or False")
         if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
             raise ValueError(f"cost_model={self.cost_model!r} must be a CostModel or None for the defaults")
 
     def fingerprint(self) -> str:
-        """A canonical text of every field, equal on two ranks iff their configs plan alike."""
+        """A canonical text of every field that shapes the plan (all but ``cuda_graphs``), equal on
+        two ranks iff their configs plan alike."""
         th = self.thresholds
         cost = "default" if self.cost_model is None else self.cost_model.fingerprint()
         parts = [

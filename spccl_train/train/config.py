@@ -190,6 +190,9 @@ class SpcclConfig:
     ``f`` times its share of ``density`` (the excess waits in the error buffer) and the all-reduce
     is planned from those bounds, with no host synchronisation (see
     ``spccl_train.ddp.SparseHookState``)."""
+    cuda_graphs: bool = False
+    """With ``capacity_factor``, on GPUs: replay each bucket's bounded all-reduce from a captured
+    CUDA graph (``CollectiveConfig.cuda_graphs``), so it costs microseconds of host time."""
     overlap: str = dataclasses.field(default="off", metadata=_choices("auto", "on", "off", "stream"))
     """Where buckets are pruned and reduced: ``off`` in line on the current stream, ``stream`` on a
     side CUDA stream from the hook's thread, ``on`` on a background thread and side stream
@@ -259,6 +262,11 @@ class ExperimentConfig:
             )
         if s.capacity_factor and not s.prune:
             raise ConfigError("spccl.capacity_factor needs spccl.prune=true: without pruning nothing bounds a bucket")
+        if s.cuda_graphs and not s.capacity_factor:
+            raise ConfigError(
+                "spccl.cuda_graphs=true needs spccl.capacity_factor >= 1: only all-reduces planned from bounds "
+                "are captured (the others synchronise with the host to plan)"
+            )
 
 
 def _check_value(where: str, field: dataclasses.Field, hint: object, value: object) -> object:

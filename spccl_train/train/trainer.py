@@ -27,7 +27,7 @@ import yaml
 
 from .. import ddp as spccl_ddp
 from .._provenance import git_commit
-from ..collectives import CollectiveConfig
+from ..collectives import CollectiveConfig, clear_graphs
 from .config import ExperimentConfig, from_dict, to_dict
 from .data import prepare_tokens
 from .model import build_model, count_parameters
@@ -128,6 +128,7 @@ def _hook(cfg: ExperimentConfig, model: torch.nn.parallel.DistributedDataParalle
         format=s.format,
         algorithm=s.algorithm,
         ranks_per_node=ranks_per_node if ranks_per_node < dist.get_world_size() else None,
+        cuda_graphs=s.cuda_graphs,
     )
     state = spccl_ddp.SparseHookState(
         density=s.density,
@@ -167,6 +168,7 @@ def run_worker(cfg: ExperimentConfig, config_name: str) -> pathlib.Path | None:
     try:
         return _train(cfg, config_name, rank, world, local_rank, local_world, device)
     finally:
+        clear_graphs()  # graphs hold NCCL work of the group
         dist.destroy_process_group()
 
 
