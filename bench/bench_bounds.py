@@ -126,7 +126,7 @@ def main() -> None:
             plan = f"{stats.algorithm}/{stats.format.value}" if stats is not None else "native"
             rows.append((nbytes, name, plan, ms, host_ms))
     clear_graphs()
-    del graph
+    del graph, variants  # a graph holding NCCL work makes destroy_process_group wait forever
     if r == 0:
         now = datetime.datetime.now()
         device = device_name(dev)
