@@ -289,3 +289,42 @@ def test_plans_that_send_nothing_sparse_never_beat_native():
     best, weighed = _choose("all_gather", CollectiveConfig(), layout, _table(layout, 1.0), model, rpn=1)
     assert best.algorithm == "native"
     assert min(weighed.values()) <= weighed["native/dense"]
+
+
+def test_replayed_calls_shed_host_costs_and_go_sparse_sooner():
+    """A call replayed from a CUDA graph pays no host launch costs, so auto leaves dense at smaller sizes.
+
+    64 MiB fp32 at 99% on the CUDA defaults: eager, the fixed costs (codec calls, plan steps)
+    keep it native; replayed, direct Pici wins (measured on 4 H200s: 0.195 ms against NCCL's 0.324).
+    """
+    cuda = CostModel.default("cuda")
+    fast = cuda.replayed()
+    assert fast.pici.call_s == fast.coo.call_s == fast.step_s == 5e-6
+    assert (fast.intra, fast.inter, fast.pici.compress) == (cuda.intra, cuda.inter, cuda.pici.compress)
+    assert _model(step_s=1e-6).replayed().step_s == 1e-6  # never dearer than the eager figures
+    layout = ChunkLayout.aligned(1 << 24, 4)
+    table = _table(layout, 0.012)
+    cfg = CollectiveConfig(gather_counts="bound")
+    eager, _ = _choose("all_reduce", cfg, layout, table, cuda)
+    replayed, weighed = choose("all_reduce", cfg, table, layout, F32, Topology(4), fast, exchanges=0)
+    assert eager.algorithm == "native"
+    assert replayed.name == "direct/pici" and replayed.predicted_s < weighed["native/dense"]
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter", "all_reduce"])
+def test_calls_planned_from_bounds_are_priced_without_planning(collective):
+    layout = (
+        ChunkLayout.aligned(4 * 64 * TILE, 4) if collective == "all_reduce" else ChunkLayout.equal(4 * 64 * TILE, 4)
+    )
+    table, model = _table(layout, 0.01), _model()
+    cfg = CollectiveConfig(gather_counts="bound")
+    _, planned = choose(collective, cfg, table, layout, F32, Topology(4), model)
+    _, bounded = choose(collective, cfg, table, layout, F32, Topology(4), model, exchanges=0)
+    saved = model.planning(collective, layout.numel, F32, 4)
+    assert saved > 0 and planned.keys() == bounded.keys()
+    for name in planned:
+        assert bounded[name] == pytest.approx(planned[name] - saved), name
+    clear_decisions()  # decide keeps the two apart
+    a = decide(collective, cfg, "k", table, layout, F32, Topology(4), model, 1)[1]
+    b = decide(collective, cfg, "k", table, layout, F32, Topology(4), model, 0)[1]
+    assert a.keys() == b.keys() and all(b[name] == pytest.approx(a[name] - saved) for name in a)

@@ -64,6 +64,7 @@ def choose(
     dtype: torch.dtype,
     topology: Topology,
     model: CostModel,
+    exchanges: int = 1,
 ) -> tuple[Candidate, dict[str, float]]:
     """Weigh the candidates ``config`` allows; return the cheapest and every prediction by name.
 
@@ -74,12 +75,14 @@ def choose(
             nonzero counts (for an all-gather only the first ``channels``, its input's, are used).
         layout, dtype, topology: the call's chunks, element type and nodes.
         model: the cost model.
+        exchanges: planning exchanges (each with its count pass) every candidate pays: 1, or 0
+            for a call planned from bounds; an all-reduce that measures its gather phase adds one.
     """
     native_only = config.format == "dense" and config.algorithm == "auto"
     candidates: list[Candidate] = []
     native_weighed = config.format == "auto" or native_only
     if native_weighed:
-        predicted = model.predict_native(collective, layout.numel, dtype, topology)
+        predicted = model.predict_native(collective, layout.numel, dtype, topology, exchanges)
         candidates.append(Candidate("native", Format.DENSE, None, predicted))
     if not native_only:
         formats = [Format.PICI, Format.COO] if config.format == "auto" else [Format(config.format)]
@@ -91,7 +94,7 @@ def choose(
                     Candidate(algorithm, fmt, None, 0.0), collective, config, counts, layout, dtype, topology
                 )
                 if collective != "all_reduce":
-                    candidates.append(Candidate(algorithm, fmt, plan, model.predict(plan)))
+                    candidates.append(Candidate(algorithm, fmt, plan, model.predict(plan, exchanges)))
                     continue
                 best_gather: tuple[float, str] | None = None
                 for mode in _gather_modes(config.gather_counts, fmt):
@@ -111,7 +114,7 @@ def choose(
                         collective=collective,
                         measured=False,
                     )
-                    predicted = model.predict(plan.then(ahead), exchanges=1 if mode == "bound" else 2)
+                    predicted = model.predict(plan.then(ahead), exchanges + (mode == "measured"))
                     if best_gather is None or predicted < best_gather[0]:
                         best_gather = (predicted, mode)
                 candidates.append(Candidate(algorithm, fmt, plan, best_gather[0], best_gather[1]))
@@ -176,6 +179,7 @@ def decide(
     dtype: torch.dtype,
     topology: Topology,
     model: CostModel,
+    exchanges: int = 1,
 ) -> tuple[Candidate, dict[str, float]]:
     """:func:`choose` on the :func:`quantize_counts` of ``counts``, memoised; the candidate comes without a plan.
 
@@ -184,12 +188,12 @@ def decide(
     each rank's memo holds.
     """
     rounded = quantize_counts(counts, layout, collective)
-    key = (collective, fingerprint, dtype, layout.numel, layout.world, layout.channels, *map(tuple, rounded))
+    key = (collective, fingerprint, exchanges, dtype, layout.numel, layout.world, layout.channels, *map(tuple, rounded))
     hit = _decisions.get(key)
     if hit is None:
         if len(_decisions) >= _MAX_DECISIONS:
             _decisions.clear()  # a pure memo: forgetting only costs a recomputation
-        best, weighed = choose(collective, config, rounded, layout, dtype, topology, model)
+        best, weighed = choose(collective, config, rounded, layout, dtype, topology, model, exchanges)
         hit = _decisions[key] = (dataclasses.replace(best, plan=None), weighed)
     return hit
 
