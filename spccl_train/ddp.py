@@ -19,8 +19,6 @@ fewer if you need more overlap of communication with the backward pass.
 
 import contextlib
 import dataclasses
-import functools
-import math
 import queue
 import threading
 
@@ -29,8 +27,7 @@ import torch.distributed as dist
 
 from ._timing import Span
 from .collectives import CollectiveConfig, all_reduce
-from .collectives.chunking import ChunkLayout
-from .pruning import PruneConfig, Pruner, PruneResult
+from .pruning import PruneConfig, Pruner, PruneResult, check_capacity_factor, piece_caps
 
 __all__ = [
     "RECOMMENDED_BUCKET_CAP_MB",
@@ -181,21 +178,7 @@ class SparseHookState:
         planning_group: dist.ProcessGroup | None = None,
         capacity_factor: float | None = None,
     ) -> None:
-        if capacity_factor is not None:
-            if (
-                isinstance(capacity_factor, bool)
-                or not isinstance(capacity_factor, (int, float))
-                or not (math.isfinite(capacity_factor) and capacity_factor >= 1)
-            ):
-                raise ValueError(
-                    f"capacity_factor={capacity_factor!r} must be a number >= 1 (each piece keeps at most that many "
-                    "times its share of the density) or None to plan every all-reduce from exchanged counts"
-                )
-            if not prune:
-                raise ValueError(
-                    "capacity_factor needs prune=True: without pruning nothing bounds the nonzeros of a bucket; "
-                    "pass capacity_factor=None"
-                )
+        capacity_factor = check_capacity_factor(capacity_factor, prune)
         if dense_iterations < 1:
             raise ValueError(
                 f"dense_iterations={dense_iterations}: DDP rebuilds its buckets after the first iteration, "
@@ -218,7 +201,7 @@ class SparseHookState:
         if overlap not in (True, False, None, "stream"):
             raise ValueError(f"overlap={overlap!r} must be False, True, None (True on CUDA) or 'stream'")
         self.overlap = overlap
-        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.capacity_factor = capacity_factor
         self._validated: set[tuple[int, int]] = set()
         self._reducer: _Reducer | None = None
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
@@ -359,7 +342,7 @@ def _reduce_sparse(
             schedule_step = iteration - state.dense_iterations
             if state.capacity_factor is not None:
                 density = state.pruner.config.density_at(schedule_step)
-                capped = _piece_caps(
+                capped = piece_caps(
                     buffer.numel(), world, state.collective_config.channels, density, state.capacity_factor
                 )
             result = state.pruner.prune(
@@ -393,17 +376,6 @@ def _reduce_sparse(
     state._allreduce_spans.append(stats)
     work.wait()
     return buffer.div_(world)
-
-
-@functools.lru_cache(maxsize=256)
-def _piece_caps(
-    numel: int, world: int, channels: int, density: float, factor: float
-) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
-    """The all-reduce's pieces of a bucket (``(start, numel)``, in count-table order) and their caps."""
-    layout = ChunkLayout.aligned(numel, world, channels)
-    ranges = tuple((piece.start, piece.numel) for chunk in layout.pieces for piece in chunk)
-    caps = tuple(min(n, math.ceil(factor * density * n)) for _, n in ranges)
-    return ranges, caps
 
 
 def sparse_allreduce_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -14,7 +14,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _pool import pool_factory
-from spccl_train.ddp import HookSummary, SparseHookState, _piece_caps, sparse_allreduce_hook
+from spccl_train.ddp import HookSummary, SparseHookState, sparse_allreduce_hook
+from spccl_train.pruning import piece_caps
 
 SEED = int(os.environ.get("SPCCL_TEST_SEED", random.SystemRandom().randrange(2**31)))
 os.environ["SPCCL_TEST_SEED"] = str(SEED)
@@ -180,7 +181,7 @@ def _job_capacity(rank: int, world: int, steps: int, factor: float, overlap: boo
         reduced = future.wait()  # overlap=True reduces on a background thread
         exchanges[iteration] = exchanges.get(iteration, 0) + state.summary().exchanges - calls_before
         passed = v.abs() >= state.last_prune[index].threshold
-        ranges, caps = _piece_caps(buffer.numel(), world, 1, 0.05, factor)
+        ranges, caps = piece_caps(buffer.numel(), world, 1, 0.05, factor)
         sent = torch.zeros_like(v)
         for (start, numel), cap in zip(ranges, caps):
             piece = torch.where(passed[start : start + numel], v[start : start + numel], torch.zeros(()))

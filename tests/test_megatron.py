@@ -19,7 +19,7 @@ from _pool import pool_factory
 from torch import nn
 
 import spccl_train.megatron as spccl_megatron
-from spccl_train.pruning import PruneConfig, Pruner, reference
+from spccl_train.pruning import PruneConfig, Pruner, cap_ranges_reference, piece_caps, reference
 
 SEED = int(os.environ.get("SPCCL_TEST_SEED", random.SystemRandom().randrange(2**31)))
 os.environ["SPCCL_TEST_SEED"] = str(SEED)
@@ -187,7 +187,57 @@ def _job_error_feedback(rank, world, distopt, decay, steps, warmup_steps=0, dens
     return checked
 
 
+def _job_capacity(rank, world, distopt, factor, steps):
+    """``capacity_factor``: after each bucket's first sparse reduction no exchange is made, every
+    piece keeps at most its cap, the excess waits undecayed in the error buffer, and the
+    reduction sums exactly what the ranks sent."""
+    decay, density = 0.7, 0.05
+    with megatron_on_cpu():
+        ensure_model_parallel()
+        model = _wrapped(overlap=False, distopt=distopt, embed_dtype=torch.bfloat16)
+        pruning = {"density": density, "sample_fraction": 0.2, "decay": decay}
+        state = spccl_megatron.enable(pruning=pruning, capacity_factor=factor)
+        exchanges = []
+        try:
+            for step in range(steps):
+                _backward(model, rank, step)
+                before = []
+                for bucket in _buckets(model):
+                    bucket_state = state.bucket_state(bucket)
+                    has_error = bucket_state is not None and bucket_state.error is not None
+                    error = bucket_state.error.clone() if has_error else torch.zeros(bucket.grad_data.shape)
+                    before.append((bucket.grad_data * bucket.gradient_scaling_factor, error))
+                made = state.summary().exchanges
+                model.finish_grad_sync()
+                exchanges.append(state.summary().exchanges - made)
+                collective = "reduce_scatter" if distopt else "all_reduce"
+                for bucket, (grad, error) in zip(_buckets(model), before, strict=True):
+                    bucket_state = state.bucket_state(bucket)
+                    reference.prune_with_error_feedback(grad, error, bucket_state.last_prune.threshold, decay)
+                    ranges, caps = piece_caps(grad.numel(), world, 1, density, factor, collective)
+                    cap_ranges_reference(grad, error, ranges, caps)  # grad: what was sent
+                    for (start, numel), cap in zip(ranges, caps):
+                        assert int((grad[start : start + numel] != 0).sum()) <= cap
+                    assert torch.equal(bucket_state.error, error), f"step {step}: error buffer"
+                    everyone = [torch.empty_like(grad) for _ in range(world)]
+                    dist.all_gather(everyone, grad)
+                    expected = torch.stack(everyone).sum(0)
+                    if distopt:
+                        expected = expected.view(world, -1)[rank]
+                    torch.testing.assert_close(_reduced_part(bucket, model, rank, world), expected)
+        finally:
+            spccl_megatron.disable()
+    return exchanges, len(_buckets(model)), state.summary().deferred
+
+
 # ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("distopt", [False, True], ids=["allreduce", "distopt"])
+def test_capacity_factor_plans_from_bounds_after_the_first_reduction(pools, distopt):
+    for exchanges, buckets, deferred in pools(2).run(_job_capacity, distopt, 1.0, 4):
+        assert exchanges == [buckets, 0, 0, 0]
+        assert deferred > 0, "with caps at the density itself some piece must defer"
 
 
 @pytest.mark.parametrize(
@@ -254,16 +304,23 @@ def test_config_validates_and_takes_mappings():
     assert spccl_megatron.SpcclMegatronConfig(pruning={"warmup_steps": 7}).pruning.warmup_steps == 7
     with pytest.raises(TypeError, match="not both"):
         spccl_megatron.enable(spccl_megatron.SpcclMegatronConfig(), prune=False)
+    assert spccl_megatron.SpcclMegatronConfig(capacity_factor=3).capacity_factor == 3.0
+    with pytest.raises(ValueError, match="capacity_factor=0.5 must be a number >= 1"):
+        spccl_megatron.SpcclMegatronConfig(capacity_factor=0.5)
+    with pytest.raises(ValueError, match="capacity_factor needs prune=True"):
+        spccl_megatron.SpcclMegatronConfig(capacity_factor=2, prune=False)
 
 
-def test_pretrain_passes_the_density_warm_up(monkeypatch):
+def test_pretrain_passes_the_density_warm_up_and_the_bounds(monkeypatch):
     from spccl_train.megatron import pretrain
     from spccl_train.train.config import load_config
 
     monkeypatch.setattr(pretrain.dist, "get_world_size", lambda group=None: 2)
-    cfg = load_config("tiny_cpu", ["spccl.warmup_steps=4", "spccl.dense_iterations=2"])
-    config = pretrain._spccl_config(cfg, local_world=2)
+    overrides = ["spccl.warmup_steps=4", "spccl.dense_iterations=2", "spccl.capacity_factor=3", "spccl.cuda_graphs=true"]
+    config = pretrain._spccl_config(load_config("tiny_cpu", overrides), local_world=2)
     assert config.pruning.warmup_steps == 4 and config.dense_iterations == 2
+    assert config.capacity_factor == 3.0 and config.collective.cuda_graphs
+    assert pretrain._spccl_config(load_config("tiny_cpu"), local_world=2).capacity_factor is None
 
 
 @pytest.mark.parametrize("version", ["0.16.1", "0.17.0", "0.19.2", "0.19.0rc1"])

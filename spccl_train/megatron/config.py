@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from ..collectives import CollectiveConfig
-from ..pruning import PruneConfig
+from ..pruning import PruneConfig, check_capacity_factor
 
 __all__ = ["SpcclMegatronConfig"]
 
@@ -33,6 +33,15 @@ class SpcclMegatronConfig:
     """Format, algorithm, thresholds, topology (``ranks_per_node``) and channels of the sparse
     all-reduce / reduce-scatter. A mapping with :class:`~spccl_train.collectives.CollectiveConfig`'s
     field names is accepted too."""
+    capacity_factor: float | None = None
+    """``None``: every sparse reduction counts its bucket's nonzeros and exchanges the counts (a
+    host synchronisation per bucket). A factor ``f >= 1``: after a bucket's first sparse
+    reduction (planned with the exchange, which also checks that every rank's bucket agrees),
+    each piece of the bucket (one per rank and channel) keeps at most ``ceil(f * density *
+    piece size)`` nonzeros, the excess waiting undecayed in the error buffer, and the reduction
+    is planned from those bounds with no host synchronisation (as ``SparseHookState``'s
+    ``capacity_factor``; with ``collective.cuda_graphs`` it is replayed from a CUDA graph).
+    Needs ``prune=True``."""
     dense_iterations: int = 0
     """Reductions of each bucket done by Megatron's dense collective before SpCCL takes over.
     Megatron fixes its buckets when the model is wrapped, so none are needed for correctness;
@@ -49,6 +58,7 @@ class SpcclMegatronConfig:
             raise TypeError(f"pruning={self.pruning!r} must be a PruneConfig or a mapping of its fields")
         if not isinstance(self.collective, CollectiveConfig):
             raise TypeError(f"collective={self.collective!r} must be a CollectiveConfig or a mapping of its fields")
+        self.capacity_factor = check_capacity_factor(self.capacity_factor, self.prune)
         n = self.dense_iterations
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"dense_iterations={n!r} must be an int >= 0 (0: SpCCL from the first reduction)")

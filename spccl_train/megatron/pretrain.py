@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from .._timing import Span
-from ..collectives import CollectiveConfig
+from ..collectives import CollectiveConfig, clear_graphs
 from ..train.config import ExperimentConfig, from_dict, to_dict
 from ..train.data import prepare_tokens
 from ..train.trainer import (
@@ -162,6 +162,7 @@ def run_worker(cfg: ExperimentConfig, config_name: str, *, distributed_optimizer
         with _megatron_device(device):
             return _train(cfg, config_name, rank, world, local_world, device, distributed_optimizer)
     finally:
+        clear_graphs()  # graphs hold NCCL work of the group
         if owns_group:
             dist.destroy_process_group()
 
@@ -476,8 +477,10 @@ def _spccl_config(cfg: ExperimentConfig, local_world: int):
             format=s.format,
             algorithm=s.algorithm,
             ranks_per_node=ranks_per_node if ranks_per_node < dist.get_world_size() else None,
+            cuda_graphs=s.cuda_graphs,
         ),
         dense_iterations=s.dense_iterations,
+        capacity_factor=s.capacity_factor or None,
     )
 
 
@@ -585,8 +588,10 @@ def _loop(cfg, config_name, rank, world, device, data, model, optimizer, state, 
             state.reset_stats()
             reduce_s, prune_s, sent, dense_bytes = s.reduce_seconds, s.prune_seconds, s.bytes_sent, s.dense_bytes
             density = s.density if s.elements else 1.0
+            deferred, exchanges = s.deferred, s.exchanges
         else:
             reduce_s, prune_s, density = dense.seconds(), 0.0, 1.0
+            deferred = exchanges = 0
             sent = dense_bytes = dense.dense_bytes
             dense.reset_stats()
         log.record(
@@ -599,6 +604,8 @@ def _loop(cfg, config_name, rank, world, device, data, model, optimizer, state, 
             density=density,
             bytes_sent=sent,
             dense_bytes=dense_bytes,
+            deferred=deferred,
+            exchanges=exchanges,
         )
     log.close()
     if rank != 0:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from .._timing import Span
 from ..collectives import CollectiveStats, CollectiveWork, all_reduce, reduce_scatter_tensor
-from ..pruning import Pruner, PruneResult
+from ..pruning import Pruner, PruneResult, piece_caps
 from .config import SpcclMegatronConfig
 
 __all__ = ["BucketState", "MegatronSummary", "SpcclMegatronState"]
@@ -31,6 +31,9 @@ class BucketState:
     """Error-feedback buffer (the bucket's shape, ``pruning.error_dtype``); made at the first pruning."""
     last_prune: PruneResult | None = None
     """The latest pruning pass (threshold, kept count; tensors on the device)."""
+    validated: tuple[int, str] | None = None
+    """``capacity_factor``: ``(numel, collective)`` of the bucket's reduction once it was planned
+    with the exchange (every rank's bucket agreed); later ones are planned from the caps."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,6 +56,10 @@ class MegatronSummary:
     """Time in pruning (device time on CUDA)."""
     reduce_seconds: float
     """Time from issuing each sparse reduction to its completion."""
+    deferred: int = 0
+    """Elements pruning kept that the capacity bound deferred to a later reduction (``capacity_factor``)."""
+    exchanges: int = 0
+    """Planning exchanges (host synchronisations) of the sparse reductions."""
 
     @property
     def density(self) -> float:
@@ -79,7 +86,9 @@ class SpcclMegatronState:
         "_buckets",
         "_bytes_sent",
         "_dense_bytes",
+        "_deferred",
         "_dense_reductions",
+        "_exchanges",
         "_elements",
         "_kept",
         "_next_index",
@@ -109,6 +118,8 @@ class SpcclMegatronState:
         self._sparse_reductions = 0
         self._elements = 0
         self._kept: torch.Tensor | int = 0
+        self._deferred: torch.Tensor | int = 0
+        self._exchanges = 0
         self._bytes_sent = 0
         self._dense_bytes = 0
         self._prune_seconds = 0.0
@@ -128,6 +139,8 @@ class SpcclMegatronState:
             dense_bytes=self._dense_bytes,
             prune_seconds=self._prune_seconds,
             reduce_seconds=self._reduce_seconds,
+            deferred=int(self._deferred),
+            exchanges=self._exchanges,
         )
 
     def _fold_timers(self, keep: int) -> None:
@@ -174,6 +187,9 @@ class SpcclMegatronState:
             tensor.div_(dist.get_world_size(group))
         elif op != dist.ReduceOp.SUM:
             raise ValueError(f"Megatron asked for a {op!r} gradient reduction; SpCCL reduces with SUM or AVG only")
+        collective = "all_reduce" if shard is None else "reduce_scatter"
+        world = dist.get_world_size(group)
+        capped = None
         if self.config.prune:
             if state.error is None or state.error.shape != tensor.shape or state.error.device != tensor.device:
                 state.error = self.pruner.new_error_buffer(tensor)
@@ -181,18 +197,32 @@ class SpcclMegatronState:
             step = state.reductions - 1
             # The seed follows the reduction count; the density warm-up counts from the first sparse one.
             schedule_step = step - self.config.dense_iterations
-            result = self.pruner.prune(tensor, state.error, step=step, buffer=state.index, schedule_step=schedule_step)
+            if self.config.capacity_factor is not None:
+                density = self.pruner.config.density_at(schedule_step)
+                channels = self.config.collective.channels
+                capped = piece_caps(tensor.numel(), world, channels, density, self.config.capacity_factor, collective)
+            result = self.pruner.prune(
+                tensor, state.error, step=step, buffer=state.index, schedule_step=schedule_step, caps=capped
+            )
+            if result.deferred is not None:
+                self._deferred = self._deferred + result.deferred
             span.stop()
             self._prune_spans.append(span)
             state.last_prune = result
             self._kept = self._kept + result.kept
         else:
             self._kept = self._kept + tensor.numel()
+        bounded = capped is not None and state.validated == (tensor.numel(), collective)
+        bounds = [list(capped[1])] * world if bounded else None
+        cfg = self.config.collective
         if shard is None:
-            work = all_reduce(tensor, group=group, async_op=True, config=self.config.collective)
+            work = all_reduce(tensor, group=group, async_op=True, config=cfg, bounds=bounds)
         else:
-            work = reduce_scatter_tensor(shard, tensor, group=group, async_op=True, config=self.config.collective)
+            work = reduce_scatter_tensor(shard, tensor, group=group, async_op=True, config=cfg, bounds=bounds)
+        if capped is not None:
+            state.validated = (tensor.numel(), collective)  # every rank's bucket agreed in the exchange
         stats = work.stats
+        self._exchanges += stats.exchanges
         self._sparse_reductions += 1
         self._elements += tensor.numel()
         self._bytes_sent += stats.bytes_sent

@@ -21,15 +21,17 @@ Triton kernels in Triton's interpreter when ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import torch
 
 from .._triton import device_table
+from ..collectives.chunking import ChunkLayout
 from .pruner import PRUNE_BLOCK as BLOCK
 from .pruner import uses_triton
 
-__all__ = ["cap_ranges", "cap_ranges_reference"]
+__all__ = ["cap_ranges", "cap_ranges_reference", "piece_caps", "check_capacity_factor"]
 
 
 def cap_ranges(
@@ -137,3 +139,47 @@ def _block_index(ranges: tuple, blocks: int, total: int, device: torch.device) -
         own = -(-numel // BLOCK)
         rows.append([start // BLOCK + j if j < own else total for j in range(blocks)])
     return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+@functools.lru_cache(maxsize=256)
+def piece_caps(
+    numel: int, world: int, channels: int, density: float, factor: float, collective: str = "all_reduce"
+) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+    """The pieces a collective cuts a bucket of ``numel`` elements into, and a cap for each.
+
+    Returns ``(ranges, caps)``: ``ranges`` are ``(start, numel)`` in the order of the collective's
+    count table (chunk by chunk, ``channels`` pieces each; an all-reduce's aligned chunks, a
+    reduce-scatter's equal ones), ``caps[i] = min(n, ceil(factor * density * n))``. Pass them to
+    :func:`cap_ranges` (or ``Pruner.prune(caps=...)``) and ``[list(caps)] * world`` as the
+    collective's ``bounds``.
+    """
+    if collective == "all_reduce":
+        layout = ChunkLayout.aligned(numel, world, channels)
+    elif collective == "reduce_scatter":
+        layout = ChunkLayout.equal(numel, world, channels)
+    else:
+        raise ValueError(f"piece_caps is for 'all_reduce' or 'reduce_scatter' buckets, got {collective!r}")
+    ranges = tuple((piece.start, piece.numel) for chunk in layout.pieces for piece in chunk)
+    caps = tuple(min(n, math.ceil(factor * density * n)) for _, n in ranges)
+    return ranges, caps
+
+
+def check_capacity_factor(capacity_factor: object, prune: bool) -> float | None:
+    """``capacity_factor`` as a float (``None`` stays ``None``), or ``ValueError`` naming the fix."""
+    if capacity_factor is None:
+        return None
+    if (
+        isinstance(capacity_factor, bool)
+        or not isinstance(capacity_factor, (int, float))
+        or not (math.isfinite(capacity_factor) and capacity_factor >= 1)
+    ):
+        raise ValueError(
+            f"capacity_factor={capacity_factor!r} must be a number >= 1 (each piece keeps at most that many "
+            "times its share of the density) or None to plan every reduction from exchanged counts"
+        )
+    if not prune:
+        raise ValueError(
+            "capacity_factor needs prune=True: without pruning nothing bounds the nonzeros of a bucket; "
+            "pass capacity_factor=None"
+        )
+    return float(capacity_factor)

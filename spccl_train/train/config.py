@@ -188,11 +188,11 @@ class SpcclConfig:
     """0: every sparse all-reduce plans from exchanged nonzero counts (a host synchronisation per
     bucket). ``f >= 1``: after a bucket's first sparse iteration, each piece of it keeps at most
     ``f`` times its share of ``density`` (the excess waits in the error buffer) and the all-reduce
-    is planned from those bounds, with no host synchronisation (see
-    ``spccl_train.ddp.SparseHookState``)."""
+    is planned from those bounds, with no host synchronisation (both engines; see
+    ``spccl_train.ddp.SparseHookState`` and ``spccl_train.megatron.SpcclMegatronConfig``)."""
     cuda_graphs: bool = False
-    """With ``capacity_factor``, on GPUs: replay each bucket's bounded all-reduce from a captured
-    CUDA graph (``CollectiveConfig.cuda_graphs``), so it costs microseconds of host time."""
+    """With ``capacity_factor``, on GPUs: replay each bucket's bounded reduction from a captured
+    CUDA graph (``CollectiveConfig.cuda_graphs``), so it costs ~0.1 ms of host time."""
     overlap: str = dataclasses.field(default="off", metadata=_choices("auto", "on", "off", "stream"))
     """Where buckets are pruned and reduced: ``off`` in line on the current stream, ``stream`` on a
     side CUDA stream from the hook's thread, ``on`` on a background thread and side stream
