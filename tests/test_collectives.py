@@ -740,13 +740,8 @@ def _job_bounds(rank, world, seed):
                     xs = _inputs(
                         _seed(seed, collective, algorithm, fmt, slack), world, n, torch.float32, 0.98, "random"
                     )
-                    layout = (
-                        ChunkLayout.equal(world * n, world, channels)
-                        if collective == "all_gather"
-                        else ChunkLayout.aligned(n, world, channels)
-                        if collective == "all_reduce"
-                        else ChunkLayout.equal(n, world, channels)
-                    )
+                    chunked = world * n if collective == "all_gather" else n
+                    layout = ChunkLayout.of(collective, chunked, world, channels)
                     counts = _piece_counts(xs, layout, collective)
                     sizes = [p.numel for chunk in layout.pieces for p in chunk]
                     if collective == "all_gather":

@@ -44,10 +44,15 @@ def test_encoder_counts_match_torch(dtype, aligned, world, channels):
     assert count_nonzero_pieces(alone, layout, [1], base=own.start).tolist() == expected[channels : 2 * channels]
 
 
-def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _init_rank(rank: int, world: int, init_file: str) -> torch.device:
+    """This process's GPU, with the NCCL group joined through the ``file://`` rendezvous."""
     torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    return torch.device("cuda", rank)
+
+
+def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dev = _init_rank(rank, world, init_file)
     failures = []
     cases = itertools.product(
         ["all_reduce", "reduce_scatter", "all_gather"],
@@ -118,9 +123,7 @@ def _piece_bounds(mask: torch.Tensor, layout: ChunkLayout, collective: str) -> l
 def _rank_graphs(rank: int, world: int, init_file: str, out_dir: str) -> None:
     from spccl_train.collectives import cached_graphs, clear_graphs
 
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dev = _init_rank(rank, world, init_file)
     failures = []
     cases = itertools.product(
         ["all_reduce", "reduce_scatter", "all_gather"],
@@ -131,13 +134,7 @@ def _rank_graphs(rank: int, world: int, init_file: str, out_dir: str) -> None:
     for collective, algorithm, fmt, dtype in cases:
         what = f"{collective} {algorithm} {fmt} {dtype}"
         n, channels = world * (3 * 4096 + 77), 2
-        layout = (
-            ChunkLayout.equal(world * n, world, channels)
-            if collective == "all_gather"
-            else ChunkLayout.aligned(n, world, channels)
-            if collective == "all_reduce"
-            else ChunkLayout.equal(n, world, channels)
-        )
+        layout = ChunkLayout.of(collective, world * n if collective == "all_gather" else n, world, channels)
         g = torch.Generator(device=dev).manual_seed(7)
         mask = torch.rand(world, n, device=dev, generator=g) < 0.02  # the same support every iteration
         bounds = _piece_bounds(mask.cpu(), layout, collective)

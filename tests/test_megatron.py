@@ -92,6 +92,28 @@ def _reduced_part(bucket, model, rank: int, world: int) -> torch.Tensor:
     return bucket.grad_data.view(world, -1)[rank]
 
 
+def _before_reduction(model, state) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each bucket's gradient as it will be reduced (Megatron scales it by 1 / world in place
+    first) and a copy of its error buffer (zeros before the first pruning: fp32, the default)."""
+    before = []
+    for bucket in _buckets(model):
+        bucket_state = state.bucket_state(bucket)
+        has_error = bucket_state is not None and bucket_state.error is not None
+        error = bucket_state.error.clone() if has_error else torch.zeros(bucket.grad_data.shape)
+        before.append((bucket.grad_data * bucket.gradient_scaling_factor, error))
+    return before
+
+
+def _assert_sum_of_sent(bucket, model, sent: torch.Tensor, rank: int, world: int) -> None:
+    """The reduced bucket (or this rank's shard of it) is the sum of what every rank sent."""
+    everyone = [torch.empty_like(sent) for _ in range(world)]
+    dist.all_gather(everyone, sent)
+    expected = torch.stack(everyone).sum(0)
+    if model.ddp_config.use_distributed_optimizer:
+        expected = expected.view(world, -1)[rank]
+    torch.testing.assert_close(_reduced_part(bucket, model, rank, world), expected)
+
+
 # ----------------------------------------------------------------------------- jobs (run on every rank)
 
 
@@ -151,14 +173,7 @@ def _job_error_feedback(rank, world, distopt, decay, steps, warmup_steps=0, dens
         try:
             for step in range(steps):
                 _backward(model, rank, step)
-                before = []
-                for bucket in _buckets(model):
-                    bucket_state = state.bucket_state(bucket)
-                    has_error = bucket_state is not None and bucket_state.error is not None
-                    fresh = torch.zeros(bucket.grad_data.shape)  # fp32, the default error_dtype
-                    error = bucket_state.error.clone() if has_error else fresh
-                    # Megatron scales the bucket (1 / world) in place before reducing it.
-                    before.append((bucket.grad_data * bucket.gradient_scaling_factor, error))
+                before = _before_reduction(model, state)
                 model.finish_grad_sync()
                 if step < dense_iterations:
                     assert all(state.bucket_state(bucket).last_prune is None for bucket in _buckets(model))
@@ -173,12 +188,7 @@ def _job_error_feedback(rank, world, distopt, decay, steps, warmup_steps=0, dens
                     kept = reference.prune_with_error_feedback(grad, error, threshold, decay)
                     assert torch.equal(bucket_state.error, error), f"step {step}: error buffer"
                     assert int(bucket_state.last_prune.kept) == int(kept)
-                    everyone = [torch.empty_like(grad) for _ in range(world)]
-                    dist.all_gather(everyone, grad)
-                    expected = torch.stack(everyone).sum(0)
-                    if distopt:
-                        expected = expected.view(world, -1)[rank]
-                    torch.testing.assert_close(_reduced_part(bucket, model, rank, world), expected)
+                    _assert_sum_of_sent(bucket, model, grad, rank, world)
                     checked.append(str(grad.dtype))
         finally:
             spccl_megatron.disable()
@@ -201,12 +211,7 @@ def _job_capacity(rank, world, distopt, factor, steps):
         try:
             for step in range(steps):
                 _backward(model, rank, step)
-                before = []
-                for bucket in _buckets(model):
-                    bucket_state = state.bucket_state(bucket)
-                    has_error = bucket_state is not None and bucket_state.error is not None
-                    error = bucket_state.error.clone() if has_error else torch.zeros(bucket.grad_data.shape)
-                    before.append((bucket.grad_data * bucket.gradient_scaling_factor, error))
+                before = _before_reduction(model, state)
                 made = state.summary().exchanges
                 model.finish_grad_sync()
                 exchanges.append(state.summary().exchanges - made)
@@ -219,12 +224,7 @@ def _job_capacity(rank, world, distopt, factor, steps):
                     for (start, numel), cap in zip(ranges, caps):
                         assert int((grad[start : start + numel] != 0).sum()) <= cap
                     assert torch.equal(bucket_state.error, error), f"step {step}: error buffer"
-                    everyone = [torch.empty_like(grad) for _ in range(world)]
-                    dist.all_gather(everyone, grad)
-                    expected = torch.stack(everyone).sum(0)
-                    if distopt:
-                        expected = expected.view(world, -1)[rank]
-                    torch.testing.assert_close(_reduced_part(bucket, model, rank, world), expected)
+                    _assert_sum_of_sent(bucket, model, grad, rank, world)
         finally:
             spccl_megatron.disable()
     return exchanges, len(_buckets(model)), state.summary().deferred

@@ -76,6 +76,15 @@ def test_aligned_layout_worked_example():
     assert ChunkLayout.aligned(0, 3).chunks == (Span(0, 0),) * 3
 
 
+def test_each_collective_cuts_its_own_way():
+    n = 4 * (3 * TILE + 77)
+    assert ChunkLayout.of("all_reduce", n, 4, 2) == ChunkLayout.aligned(n, 4, 2)
+    assert ChunkLayout.of("reduce_scatter", n, 4, 2) == ChunkLayout.equal(n, 4, 2)
+    assert ChunkLayout.of("all_gather", n, 4) == ChunkLayout.equal(n, 4)
+    with pytest.raises(ValueError, match="collective='broadcast'"):
+        ChunkLayout.of("broadcast", n, 4)
+
+
 @settings(deadline=None, max_examples=200)
 @given(n=st.integers(0, 40 * TILE), world=st.integers(1, 9), channels=st.integers(1, 5))
 def test_aligned_layout_invariants(n, world, channels):

@@ -386,15 +386,13 @@ def _local_problems(
 
 
 def _layout(collective: str, inp: torch.Tensor, out: torch.Tensor, p: int, channels: int) -> ChunkLayout:
-    if collective == "all_gather":
-        return _cached_layout(False, out.numel(), p, channels)
-    return _cached_layout(collective == "all_reduce", inp.numel(), p, channels)
+    return _cached_layout(collective, out.numel() if collective == "all_gather" else inp.numel(), p, channels)
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_layout(aligned: bool, numel: int, p: int, channels: int) -> ChunkLayout:
+def _cached_layout(collective: str, numel: int, p: int, channels: int) -> ChunkLayout:
     """Layouts are immutable and repeat from call to call (the same buckets every step)."""
-    return ChunkLayout.aligned(numel, p, channels) if aligned else ChunkLayout.equal(numel, p, channels)
+    return ChunkLayout.of(collective, numel, p, channels)
 
 
 def _run(

@@ -105,6 +105,17 @@ class ChunkLayout:
         return cls._build(numel, world, channels, split_span(Span(0, numel), world))
 
     @classmethod
+    def of(cls, collective: str, numel: int, world: int, channels: int = 1) -> ChunkLayout:
+        """The cut a collective makes: :meth:`aligned` for ``"all_reduce"``, :meth:`equal` for
+        ``"reduce_scatter"`` and ``"all_gather"``. ``numel`` is the chunked tensor's size: the
+        all-reduce tensor, the reduce-scatter input, the all-gather output."""
+        if collective == "all_reduce":
+            return cls.aligned(numel, world, channels)
+        if collective in ("reduce_scatter", "all_gather"):
+            return cls.equal(numel, world, channels)
+        raise ValueError(f"collective={collective!r} is not 'all_reduce', 'reduce_scatter' or 'all_gather'")
+
+    @classmethod
     def _build(cls, numel: int, world: int, channels: int, chunks: tuple[Span, ...]) -> ChunkLayout:
         pieces = tuple(split_span(chunk, channels) for chunk in chunks)
         return cls(numel=numel, world=world, channels=channels, chunks=chunks, pieces=pieces)

@@ -153,12 +153,9 @@ def piece_caps(
     :func:`cap_ranges` (or ``Pruner.prune(caps=...)``) and ``[list(caps)] * world`` as the
     collective's ``bounds``.
     """
-    if collective == "all_reduce":
-        layout = ChunkLayout.aligned(numel, world, channels)
-    elif collective == "reduce_scatter":
-        layout = ChunkLayout.equal(numel, world, channels)
-    else:
+    if collective not in ("all_reduce", "reduce_scatter"):
         raise ValueError(f"piece_caps is for 'all_reduce' or 'reduce_scatter' buckets, got {collective!r}")
+    layout = ChunkLayout.of(collective, numel, world, channels)
     ranges = tuple((piece.start, piece.numel) for chunk in layout.pieces for piece in chunk)
     caps = tuple(min(n, math.ceil(factor * density * n)) for _, n in ranges)
     return ranges, caps
