@@ -18,6 +18,7 @@ fewer if you need more overlap of communication with the backward pass.
 """
 
 import contextlib
+import itertools
 import dataclasses
 import queue
 import threading
@@ -40,6 +41,10 @@ __all__ = [
 
 RECOMMENDED_BUCKET_CAP_MB = 256
 """DDP bucket size for sparse all-reduce: large messages amortise the per-call planning exchange."""
+
+
+_graph_scopes = itertools.count()
+"""Numbers the sparse hook states, to tag their buckets' CUDA graphs (``cuda_graphs``)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -147,6 +152,7 @@ class SparseHookState:
         "error_buffers",
         "last_prune",  # bucket index -> the latest PruneResult (threshold, kept)
         "_validated",  # (bucket index, numel) reduced once with the planning exchange
+        "_graph_scope",  # tags this state's buckets' CUDA graphs apart from another state's
         # statistics
         "_sparse_calls",
         "_elements",
@@ -207,6 +213,7 @@ class SparseHookState:
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self.planning_group = planning_group
         self.iteration = 0
+        self._graph_scope = next(_graph_scopes)  # equal on every rank that makes its states in one order
         self.error_buffers: dict[int, torch.Tensor] = {}
         self.last_prune: dict[int, PruneResult] = {}
         self.reset_stats()
@@ -364,6 +371,7 @@ def _reduce_sparse(
         planning_group=planning_group,
         planning_stream=planning_stream,
         bounds=[list(capped[1])] * world if bounded else None,
+        graph_tag=("ddp", state._graph_scope, index),
     )
     stats = work.stats
     if state.capacity_factor is not None:

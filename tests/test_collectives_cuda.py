@@ -142,27 +142,36 @@ def _rank_graphs(rank: int, world: int, init_file: str, out_dir: str) -> None:
         mine = torch.empty(n, device=dev, dtype=dtype)
         out_numel = {"all_reduce": n, "reduce_scatter": n // world, "all_gather": world * n}[collective]
         out = mine if collective == "all_reduce" else torch.empty(out_numel, device=dev, dtype=dtype)
-        seen = []
+        seen, clean = [], None
+
+        def call(x, async_op):
+            kwargs = {"config": cfg, "bounds": bounds, "graph_tag": what, "async_op": async_op}
+            if collective == "all_reduce":
+                return spccl_train.all_reduce(x, **kwargs)
+            if collective == "reduce_scatter":
+                return spccl_train.reduce_scatter_tensor(out, x, **kwargs)
+            return spccl_train.all_gather_into_tensor(out, x, **kwargs)
+
         for it in range(5):
             xs = (torch.randn(world, n, device=dev, generator=g) * mask).to(dtype)
             if it == 4:  # one piece over its bound on every rank: truncated, and reported by this replay only
                 xs[:, : 4096 * 2] = 1.0
             mine.copy_(xs[rank])
-            if collective == "all_reduce":
-                spccl_train.all_reduce(mine, config=cfg, bounds=bounds)
-            elif collective == "reduce_scatter":
-                spccl_train.reduce_scatter_tensor(out, mine, config=cfg, bounds=bounds)
-            else:
-                spccl_train.all_gather_into_tensor(out, mine, config=cfg, bounds=bounds)
-            stats = last_stats()
+            work = call(mine, async_op=it % 2 == 1)
+            if work is not None:  # async: the result is ordered after wait()
+                work.wait()
+            stats = work.stats if work is not None else last_stats()
             seen.append(stats.graph)
-            status = int(stats.decode_status)
-            if it == 4:  # the ranks that decode a truncated payload report it
-                anywhere = torch.tensor([status], device=dev)
+            if it == 4:  # the ranks that decode a truncated payload report it; the previous replay's copy stays clean
+                anywhere = torch.tensor([int(stats.decode_status)], device=dev)
                 dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
                 if not int(anywhere) and stats.algorithm != "native":
                     failures.append(f"{what}: a broken bound was not reported ({stats.algorithm}/{stats.format})")
+                if int(clean.decode_status):
+                    failures.append(f"{what}: a later replay changed an earlier call's decode status")
                 continue
+            clean = stats
+            status = int(stats.decode_status)
             ref = xs.double().sum(0)
             tol = 2 * world * EPS[dtype] * xs.double().abs().sum(0)
             if collective == "all_reduce":
@@ -174,6 +183,12 @@ def _rank_graphs(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 ok = torch.equal(out, xs.reshape(-1))
             if not ok or status:
                 failures.append(f"{what} iteration {it}: wrong result or decode status {status} ({stats.graph!r})")
+        try:  # every rank passes another tensor under the same tag: every rank raises, before any transfer
+            call(mine.clone(), async_op=False)
+            failures.append(f"{what}: a replay with another tensor did not raise")
+        except ValueError as exc:
+            if "captured with other tensors" not in str(exc):
+                failures.append(f"{what}: {exc}")
         if seen != ["", "captured", "replayed", "replayed", "replayed"]:
             failures.append(f"{what}: graph modes {seen}")
     if cached_graphs() == 0:

@@ -16,7 +16,7 @@ import functools
 import logging
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -162,6 +162,7 @@ def all_gather_into_tensor(
     planning_group: dist.ProcessGroup | None = None,
     planning_stream: torch.cuda.Stream | None = None,
     bounds: Sequence[Sequence[int]] | None = None,
+    graph_tag: Hashable = None,
 ) -> CollectiveWork | None:
     """Gather every rank's ``input`` into ``output`` (rank ``q``'s at ``q * input.numel()``), sparsely.
 
@@ -193,6 +194,10 @@ def all_gather_into_tensor(
             reference encoder (CPU) raises ``PayloadTooSmallError`` on that rank instead.
             :func:`spccl_train.pruning.cap_ranges` makes pruned gradients keep such bounds
             (the DDP hook's ``capacity_factor``).
+        graph_tag: ``config.cuda_graphs`` only: names the call's CUDA graph, equal on every rank
+            (any hashable). Calls with equal sizes, dtype, config and bounds share a graph unless
+            their tags differ, so give calls on different tensors different tags (the DDP hook
+            tags each bucket). A replayed call must pass the tensors it was captured with.
 
     Returns:
         A :class:`CollectiveWork` when ``async_op``, else ``None``.
@@ -202,7 +207,9 @@ def all_gather_into_tensor(
         >>> out = torch.empty(world * g.numel(), device=g.device)
         >>> spccl_train.all_gather_into_tensor(out, g, config=CollectiveConfig(format="pici"))
     """
-    return _call("all_gather", output, input, group, async_op, config, planning_group, planning_stream, bounds)
+    return _call(
+        "all_gather", output, input, group, async_op, config, planning_group, planning_stream, bounds, graph_tag
+    )
 
 
 def reduce_scatter_tensor(
@@ -216,6 +223,7 @@ def reduce_scatter_tensor(
     planning_group: dist.ProcessGroup | None = None,
     planning_stream: torch.cuda.Stream | None = None,
     bounds: Sequence[Sequence[int]] | None = None,
+    graph_tag: Hashable = None,
 ) -> CollectiveWork | None:
     """Sum ``input`` over ranks and leave slice ``rank`` of the sum in ``output``, sparsely.
 
@@ -224,7 +232,7 @@ def reduce_scatter_tensor(
             this rank's slice of ``input`` (in place).
         input: contiguous float32 / bfloat16 / float16 tensor; never modified (unless ``output``
             is its slice).
-        group, async_op, config, planning_group, planning_stream, bounds: as for
+        group, async_op, config, planning_group, planning_stream, bounds, graph_tag: as for
             :func:`all_gather_into_tensor`.
         op: only ``ReduceOp.SUM``.
 
@@ -234,7 +242,9 @@ def reduce_scatter_tensor(
         >>> spccl_train.reduce_scatter_tensor(shard, g)
     """
     _check_op(op, "reduce_scatter_tensor")
-    return _call("reduce_scatter", output, input, group, async_op, config, planning_group, planning_stream, bounds)
+    return _call(
+        "reduce_scatter", output, input, group, async_op, config, planning_group, planning_stream, bounds, graph_tag
+    )
 
 
 def all_reduce(
@@ -247,12 +257,13 @@ def all_reduce(
     planning_group: dist.ProcessGroup | None = None,
     planning_stream: torch.cuda.Stream | None = None,
     bounds: Sequence[Sequence[int]] | None = None,
+    graph_tag: Hashable = None,
 ) -> CollectiveWork | None:
     """Sum ``tensor`` over ranks, in place, sparsely.
 
     Args:
         tensor: contiguous float32 / bfloat16 / float16 tensor, any shape; holds the sum after.
-        group, async_op, config, planning_group, planning_stream, bounds: as for
+        group, async_op, config, planning_group, planning_stream, bounds, graph_tag: as for
             :func:`all_gather_into_tensor`.
         op: only ``ReduceOp.SUM``.
 
@@ -261,7 +272,9 @@ def all_reduce(
         >>> spccl_train.all_reduce(grad, config=CollectiveConfig(format="pici", ranks_per_node=4))
     """
     _check_op(op, "all_reduce")
-    return _call("all_reduce", tensor, tensor, group, async_op, config, planning_group, planning_stream, bounds)
+    return _call(
+        "all_reduce", tensor, tensor, group, async_op, config, planning_group, planning_stream, bounds, graph_tag
+    )
 
 
 def _check_op(op: object, api: str) -> None:
@@ -281,6 +294,7 @@ def _call(
     planning_group: dist.ProcessGroup | None = None,
     planning_stream: torch.cuda.Stream | None = None,
     bounds: Sequence[Sequence[int]] | None = None,
+    graph_tag: Hashable = None,
 ) -> CollectiveWork | None:
     for name, t in (("output", output), ("input", input)):
         if not isinstance(t, torch.Tensor):
@@ -302,15 +316,35 @@ def _call(
     if planning_stream is not None and not input.is_cuda:
         planning_stream = None  # CPU work is ordered by the host
     with torch.no_grad():
-        if config.cuda_graphs and bounds is not None and input.is_cuda and transport.world > 1 and input.numel():
-            key = graph_key(collective, transport, input, output, config.fingerprint(), bounds)
+        if _graphable(config, bounds, input, output, transport):
+            key = graph_key(collective, transport, input, output, config.fingerprint(), bounds, graph_tag)
             stats, event = run_graphed(
-                key, input.device, lambda: _run(collective, transport, config, input, output, planner, None, bounds)
+                key, input, output, lambda: _run(collective, transport, config, input, output, planner, None, bounds)
             )
         else:
             stats, event = _run(collective, transport, config, input, output, planner, planning_stream, bounds)
     _local.stats = stats
     return CollectiveWork([output], stats, event) if async_op else None
+
+
+def _graphable(
+    config: CollectiveConfig,
+    bounds: object,
+    inp: torch.Tensor,
+    out: torch.Tensor,
+    transport: P2PTransport,
+) -> bool:
+    """A call ``cuda_graphs`` applies to; others (and bad arguments, which the eager path reports) run eagerly."""
+    return (
+        config.cuda_graphs
+        and bounds is not None
+        and inp.is_cuda
+        and out.device == inp.device
+        and inp.is_contiguous()
+        and out.is_contiguous()
+        and transport.world > 1
+        and inp.numel() > 0
+    )
 
 
 _transports: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -1,27 +1,37 @@
 """Replaying collectives planned from bounds as CUDA graphs (``CollectiveConfig.cuda_graphs``).
 
 A call with ``bounds`` makes no host synchronisation, so everything it does (codec kernels,
-NCCL transfers, status stacking) is fixed by its arguments: the addresses and sizes of its
-tensors, the bounds, the group, the plan-relevant config and the stream. On CUDA that is all a
-graph needs. The first call of such a key runs eagerly (it checks the arguments, warms NCCL's
-peer connections and the kernels); the second is captured into a :class:`torch.cuda.CUDAGraph`
-and replayed; later ones replay it. A replay costs about 10 microseconds of host time against
-about a millisecond of Python for the eager call (4x H200, ``bench/results/NOTES.md``).
+NCCL transfers, status stacking) is fixed by its arguments: its tensors, the bounds, the group,
+the config and the stream. On CUDA that is all a graph needs. The first call of a key runs
+eagerly (it checks the arguments, warms NCCL's peer connections and the kernels); the second is
+captured into a :class:`torch.cuda.CUDAGraph` and replayed; later ones replay it. A replay costs
+about 0.1 ms of host time against about 1.3 ms of Python for the eager call (4x H200,
+``bench/results/NOTES.md``).
 
-What a replay reads and writes are the same addresses as the captured call: the caller's
-tensors (whatever they hold at replay time) and the graph's own scratch, which lives in the
-graph's private memory pool for as long as the graph is cached. Each stream gets its own graph,
-so two replays never share scratch unless they are ordered on one stream.
+**Every rank decides alike.** NCCL treats capturing as a collective property: every rank must
+capture the same operation together and replay the graph of that joint capture. So the key that
+decides between eager, capture and replay holds only what is equal on every rank: the
+collective, the group, sizes, dtype, config, bounds, and the caller's ``graph_tag``. Calls on
+different tensors with otherwise equal keys (two buckets of one size) must pass different tags;
+the DDP hook and the Megatron integration tag each bucket. What is local to a rank (the tensors'
+addresses, the stream) is recorded at capture, and a later call of the key must match it: one
+that does not raises on its rank (the other ranks, replaying, would wait for it, as they wait
+for a rank that breaks its bounds). Likewise a capture that fails raises: falling back to eager
+on one rank would leave the others in a captured collective.
 
-Graphs hold NCCL work: call :func:`clear_graphs` before ``torch.distributed.destroy_process_group``
-(the trainer does). A capture that fails (an operation CUDA cannot capture) is logged once and
-that key runs eagerly from then on.
+What a replay reads and writes are the addresses of the captured call: the caller's tensors
+(whatever they hold at replay time) and the graph's scratch, in the graph's private memory pool
+for as long as the graph is cached. The decoder status words are copied out after each replay.
+Replayed NCCL kernels are not watched by torch's NCCL watchdog, so a replay that never completes
+(a rank that stopped calling) is not timed out. Call :func:`clear_graphs` on every rank before
+``torch.distributed.destroy_process_group`` (both trainers do).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -35,24 +45,35 @@ _log = logging.getLogger(__name__)
 
 MAX_GRAPHS = 1024
 """Graphs kept at once (each holds its scratch memory). Past this, new keys run eagerly until
-:func:`clear_graphs`: evicting would need a device synchronisation, and keys that cycle (one per
-DDP bucket) would pay it on every call."""
+:func:`clear_graphs` (on every rank alike: the count is the same everywhere)."""
 _MAX_SEEN = 4096
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Local:
+    """What a capture fixed on this rank; a replay must be called with the same."""
+
+    inp: int
+    out: int
+    out_dtype: torch.dtype
+    device: int
+    stream: int
 
 
 @dataclasses.dataclass(slots=True)
 class _Entry:
     graph: torch.cuda.CUDAGraph
+    local: _Local
     stats: Any
     """The captured call's stats; replays copy it with their own timer and statuses."""
     statuses: torch.Tensor
     """The stacked decoder statuses the graph writes (overwritten by every replay)."""
 
 
+_lock = threading.Lock()
 _graphs: dict[tuple, _Entry] = {}
 _seen: set[tuple] = set()
-_eager_only: set[tuple] = set()
-_capture_streams: dict[int, torch.cuda.Stream] = {}
+_threads = threading.local()  # each thread captures on a side stream of its own
 
 
 def graph_key(
@@ -62,76 +83,123 @@ def graph_key(
     out: torch.Tensor,
     fingerprint: str,
     bounds: Sequence[Sequence[int]],
+    tag: Hashable,
 ) -> tuple:
-    """What fixes the work of a call planned from ``bounds`` (the current stream included)."""
+    """The rank-uniform key of a call planned from ``bounds`` (no address, no stream)."""
     return (
         collective,
         group_key,
-        inp.data_ptr(),
-        out.data_ptr(),
         inp.numel(),
         out.numel(),
         inp.dtype,
-        inp.device.index,
-        torch.cuda.current_stream(inp.device).cuda_stream,
         fingerprint,
         tuple(tuple(int(b) for b in row) for row in bounds),
+        tag,
     )
 
 
-def run_graphed(key: tuple, device: torch.device, run: Callable[[], tuple[Any, torch.cuda.Event | None]]) -> tuple:
+def _local(inp: torch.Tensor, out: torch.Tensor) -> _Local:
+    return _Local(
+        inp=inp.data_ptr(),
+        out=out.data_ptr(),
+        out_dtype=out.dtype,
+        device=inp.device.index,
+        stream=torch.cuda.current_stream(inp.device).cuda_stream,
+    )
+
+
+def run_graphed(
+    key: tuple,
+    inp: torch.Tensor,
+    out: torch.Tensor,
+    run: Callable[[], tuple[Any, torch.cuda.Event | None]],
+) -> tuple:
     """``run()``'s ``(stats, event)``, eagerly, captured or replayed as the key's history says.
 
-    ``stats`` must be a :class:`~.api.CollectiveStats` (fields ``graph``, ``_statuses``, ``_timer``).
+    ``stats`` must be a :class:`~.api.CollectiveStats` (fields ``graph``, ``_statuses``, ``_timer``);
+    ``run`` checks the arguments (an eager call raises on bad ones before anything is recorded).
     """
-    entry = _graphs.get(key)
-    if entry is not None:
-        timer = Span(device)
-        entry.graph.replay()
-        statuses = entry.statuses.clone()  # the next replay overwrites the graph's own
-        event = timer.stop()
-        stats = dataclasses.replace(entry.stats, graph="replayed", _statuses=statuses, _timer=timer)
-        return stats, event
-    if key in _eager_only or len(_graphs) >= MAX_GRAPHS or torch.cuda.is_current_stream_capturing():
-        return run()  # a caller's own capture records the eager call
-    if key not in _seen:
-        result = run()  # first sighting: eager (checks arguments, connects NCCL peers, warms kernels)
-        if len(_seen) >= _MAX_SEEN:
-            _seen.clear()
-        _seen.add(key)
-        return result
-    return _capture(key, device, run)
+    if torch.cuda.is_current_stream_capturing():
+        return run()  # the caller's own capture records the eager call
+    with _lock:
+        entry = _graphs.get(key)
+        if entry is not None:
+            local = _local(inp, out)
+            if local != entry.local:
+                raise ValueError(
+                    f"cuda_graphs: this {key[0]} was captured with other tensors or on another stream "
+                    f"(captured {entry.local}, now {local}); a replayed call must pass the same tensors on the "
+                    "same stream: give calls on different tensors different graph_tag values, or call "
+                    "spccl_train.collectives.clear_graphs() on every rank"
+                )
+            return _replay(entry, inp.device)
+        if len(_graphs) >= MAX_GRAPHS:
+            return run()
+        if key not in _seen:
+            result = run()  # first sighting: eager (checks arguments, connects NCCL peers, warms kernels)
+            if len(_seen) >= _MAX_SEEN:
+                _seen.clear()
+            _seen.add(key)
+            return result
+        return _capture(key, inp, out, run)
 
 
-def _capture(key: tuple, device: torch.device, run: Callable[[], tuple[Any, torch.cuda.Event | None]]) -> tuple:
+def _replay(entry: _Entry, device: torch.device) -> tuple:
+    timer = Span(device)
+    entry.graph.replay()
+    statuses = entry.statuses.clone()  # the next replay overwrites the graph's own
+    event = timer.stop()
+    return dataclasses.replace(entry.stats, _statuses=statuses, _timer=timer), event
+
+
+def _capture(
+    key: tuple, inp: torch.Tensor, out: torch.Tensor, run: Callable[[], tuple[Any, torch.cuda.Event | None]]
+) -> tuple:
+    device = inp.device
+    local = _local(inp, out)
     current = torch.cuda.current_stream(device)
-    side = _capture_streams.get(device.index)
+    streams = getattr(_threads, "streams", None)
+    if streams is None:
+        streams = _threads.streams = {}
+    side = streams.get(device.index)
     if side is None:
-        side = _capture_streams[device.index] = torch.cuda.Stream(device)
+        side = streams[device.index] = torch.cuda.Stream(device)
     torch.cuda.synchronize(device)  # once per key: nothing of earlier calls is in flight during the capture
     graph = torch.cuda.CUDAGraph()
+    pool = torch.cuda.graph_pool_handle()
     side.wait_stream(current)
     try:
         with torch.cuda.stream(side):
-            graph.capture_begin(capture_error_mode="thread_local")
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 stats, _ = run()
             finally:
                 graph.capture_end()
-    except Exception as exc:  # noqa: BLE001  (any capture failure falls back to eager, once per key)
-        _eager_only.add(key)
-        _log.warning("spccl_train: could not capture %s in a CUDA graph, running it eagerly: %s", key[0], exc)
-        torch.cuda.synchronize(device)
-        return run()
+    except Exception as exc:
+        _release_pool(device, pool)
+        raise RuntimeError(
+            f"cuda_graphs: could not capture this {key[0]} in a CUDA graph ({type(exc).__name__}: {exc}); "
+            "the other ranks may be waiting in theirs. Run without CollectiveConfig(cuda_graphs=True) "
+            "(trainer key spccl.cuda_graphs=false)"
+        ) from exc
     current.wait_stream(side)
     entry = _graphs[key] = _Entry(
-        graph=graph, stats=dataclasses.replace(stats, graph="captured"), statuses=stats._statuses
+        graph=graph, local=local, stats=dataclasses.replace(stats, graph="replayed"), statuses=stats._statuses
     )
-    timer = Span(device)
-    graph.replay()
-    statuses = entry.statuses.clone()
-    event = timer.stop()
-    return dataclasses.replace(entry.stats, _statuses=statuses, _timer=timer), event
+    stats, event = _replay(entry, device)
+    return dataclasses.replace(stats, graph="captured"), event
+
+
+def _release_pool(device: torch.device, pool: tuple) -> None:
+    """Take the allocator out of a capture that ``capture_end`` did not finish, and free its pool."""
+    for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
+        release = getattr(torch._C, name, None)
+        if release is None:
+            continue
+        try:
+            release(device.index, pool)
+        except RuntimeError:  # capture_end got that far already
+            pass
 
 
 def cached_graphs() -> int:
@@ -139,13 +207,15 @@ def cached_graphs() -> int:
     return len(_graphs)
 
 
-def clear_graphs() -> None:
-    """Drop every cached graph and what the cache remembers (call before destroying the process group).
+def clear_graphs(synchronize: bool = True) -> None:
+    """Drop every cached graph and what the cache remembers; call it on every rank alike.
 
-    Waits for the device first, so no dropped graph is still running.
+    With ``synchronize`` (the default) it first waits for the device, so no dropped graph's
+    memory goes back to the allocator while the graph runs; pass ``False`` on an error path,
+    where a stuck collective would make the wait endless.
     """
-    if _graphs and torch.cuda.is_available():
-        torch.cuda.synchronize()
-    _graphs.clear()
-    _seen.clear()
-    _eager_only.clear()
+    with _lock:
+        if synchronize and _graphs and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        _graphs.clear()
+        _seen.clear()

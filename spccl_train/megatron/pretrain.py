@@ -158,11 +158,14 @@ def run_worker(cfg: ExperimentConfig, config_name: str, *, distributed_optimizer
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if owns_group:
         dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if backend == "nccl" else None)
+    finished = False
     try:
         with _megatron_device(device):
-            return _train(cfg, config_name, rank, world, local_world, device, distributed_optimizer)
+            run_dir = _train(cfg, config_name, rank, world, local_world, device, distributed_optimizer)
+        finished = True
+        return run_dir
     finally:
-        clear_graphs()  # graphs hold NCCL work of the group
+        clear_graphs(synchronize=finished)  # graphs hold NCCL work; after an error a wait could be endless
         if owns_group:
             dist.destroy_process_group()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import weakref
 
 import torch
@@ -14,6 +15,9 @@ from ..pruning import Pruner, PruneResult, piece_caps
 from .config import SpcclMegatronConfig
 
 __all__ = ["BucketState", "MegatronSummary", "SpcclMegatronState"]
+
+_graph_scopes = itertools.count()
+"""Numbers the states, to tag their buckets' CUDA graphs apart."""
 
 _PENDING_TIMERS = 1024
 """Timers kept unread; past this the older half is read (long finished, so reading waits for nothing)."""
@@ -89,6 +93,7 @@ class SpcclMegatronState:
         "_deferred",
         "_dense_reductions",
         "_exchanges",
+        "_graph_scope",
         "_elements",
         "_kept",
         "_next_index",
@@ -110,6 +115,7 @@ class SpcclMegatronState:
         self.pruner = Pruner(config.pruning)
         self._buckets: weakref.WeakKeyDictionary[object, BucketState] = weakref.WeakKeyDictionary()
         self._next_index = 0
+        self._graph_scope = next(_graph_scopes)  # equal on every rank that makes its states in one order
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -215,10 +221,13 @@ class SpcclMegatronState:
         bounded = capped is not None and state.validated == (tensor.numel(), collective)
         bounds = [list(capped[1])] * world if bounded else None
         cfg = self.config.collective
+        tag = ("megatron", self._graph_scope, state.index)  # the bucket's CUDA graph (collective.cuda_graphs)
         if shard is None:
-            work = all_reduce(tensor, group=group, async_op=True, config=cfg, bounds=bounds)
+            work = all_reduce(tensor, group=group, async_op=True, config=cfg, bounds=bounds, graph_tag=tag)
         else:
-            work = reduce_scatter_tensor(shard, tensor, group=group, async_op=True, config=cfg, bounds=bounds)
+            work = reduce_scatter_tensor(
+                shard, tensor, group=group, async_op=True, config=cfg, bounds=bounds, graph_tag=tag
+            )
         if capped is not None:
             state.validated = (tensor.numel(), collective)  # every rank's bucket agreed in the exchange
         stats = work.stats

@@ -165,10 +165,13 @@ def run_worker(cfg: ExperimentConfig, config_name: str) -> pathlib.Path | None:
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if backend == "nccl" else None)
+    finished = False
     try:
-        return _train(cfg, config_name, rank, world, local_rank, local_world, device)
+        run_dir = _train(cfg, config_name, rank, world, local_rank, local_world, device)
+        finished = True
+        return run_dir
     finally:
-        clear_graphs()  # graphs hold NCCL work of the group
+        clear_graphs(synchronize=finished)  # graphs hold NCCL work; after an error a wait could be endless
         dist.destroy_process_group()
 
 

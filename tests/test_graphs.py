@@ -1,0 +1,154 @@
+"""The CUDA-graph cache of ``CollectiveConfig.cuda_graphs`` on CPU, with torch.cuda's graph API faked.
+
+What runs for real on the GPU machine is ``tests/test_collectives_cuda.py::test_bounded_calls_replay_cuda_graphs``;
+here the decisions are checked: eager first, captured second, replayed after; keys without
+addresses, so every rank decides alike; a replay with other tensors, and a failed capture, raise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+
+from spccl_train.collectives import graphs
+
+
+@dataclasses.dataclass
+class _Stats:
+    graph: str
+    _statuses: torch.Tensor
+    _timer: object
+
+
+class _FakeGraph:
+    fail_capture = False
+    made: list[_FakeGraph] = []
+
+    def __init__(self) -> None:
+        self.replays = 0
+        self.pool = None
+        _FakeGraph.made.append(self)
+
+    def capture_begin(self, pool=None, capture_error_mode="global") -> None:
+        assert capture_error_mode == "thread_local"  # the NCCL watchdog queries events meanwhile
+        self.pool = pool
+
+    def capture_end(self) -> None:
+        if _FakeGraph.fail_capture:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+class _Stream:
+    def __init__(self, handle: int = 7) -> None:
+        self.cuda_stream = handle
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    state = {"capturing": False, "stream": _Stream(), "released": []}
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: state["stream"])
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream(99))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", len(_FakeGraph.made)))
+    for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
+        monkeypatch.setattr(torch._C, name, lambda device, pool, name=name: state["released"].append(name))
+    monkeypatch.setattr(graphs, "Span", lambda device: _Span())
+    _FakeGraph.made, _FakeGraph.fail_capture = [], False
+    graphs.clear_graphs()
+    yield state
+    graphs.clear_graphs()
+
+
+class _Span:
+    """A stand-in for ``_timing.Span`` (no CUDA events on CPU)."""
+
+    def stop(self) -> None:
+        return None
+
+
+def _call(key, inp, out, runs: list):
+    """run_graphed with a run() that records each eager or captured execution."""
+
+    def run():
+        runs.append(key)
+        return _Stats(graph="", _statuses=torch.zeros(2, dtype=torch.int32), _timer=None), None
+
+    return graphs.run_graphed(key, inp, out, run)[0]
+
+
+def _key(x, tag=None, bounds=((3, 3), (3, 3))):
+    return graphs.graph_key("all_reduce", "group", x, x, "cfg", bounds, tag)
+
+
+def test_eager_then_captured_then_replayed(fake_cuda):
+    x, runs = torch.zeros(8), []
+    modes = [_call(_key(x), x, x, runs).graph for _ in range(4)]
+    assert modes == ["", "captured", "replayed", "replayed"]
+    assert len(runs) == 2, "run() executes for the eager call and inside the capture, never for replays"
+    (graph,) = _FakeGraph.made
+    assert graph.replays == 3  # the captured call replays at once, then two more
+    assert graphs.cached_graphs() == 1
+
+
+def test_each_replay_gets_its_own_status_copy(fake_cuda):
+    x, runs = torch.zeros(8), []
+    stats = [_call(_key(x), x, x, runs) for _ in range(4)]
+    assert stats[2]._statuses is not stats[3]._statuses
+    assert all(s._statuses.data_ptr() != stats[1]._statuses.data_ptr() for s in stats[2:])
+
+
+def test_keys_hold_no_address_so_ranks_agree(fake_cuda):
+    a, b = torch.zeros(8), torch.zeros(8)
+    assert _key(a) == _key(b)  # rank-uniform: two ranks' tensors give one key
+    assert _key(a, tag=1) != _key(a, tag=2) and _key(a) != _key(a, bounds=((3, 2), (3, 3)))
+
+
+def test_a_replay_with_other_tensors_or_stream_raises(fake_cuda):
+    x, y, runs = torch.zeros(8), torch.zeros(8), []
+    for _ in range(2):
+        _call(_key(x), x, x, runs)
+    with pytest.raises(ValueError, match="captured with other tensors .* different graph_tag"):
+        _call(_key(y), y, y, runs)
+    fake_cuda["stream"] = _Stream(8)
+    with pytest.raises(ValueError, match="on another stream"):
+        _call(_key(x), x, x, runs)
+    fake_cuda["stream"] = _Stream()
+    assert [_call(_key(y, tag="b"), y, y, runs).graph for _ in range(2)] == ["", "captured"]
+
+
+def test_a_failed_capture_raises_and_frees_its_pool(fake_cuda):
+    x, runs = torch.zeros(8), []
+    _call(_key(x), x, x, runs)
+    _FakeGraph.fail_capture = True
+    with pytest.raises(RuntimeError, match="could not capture this all_reduce .* spccl.cuda_graphs=false"):
+        _call(_key(x), x, x, runs)
+    assert fake_cuda["released"] == ["_cuda_endAllocateToPool", "_cuda_releasePool"]
+    assert graphs.cached_graphs() == 0
+
+
+def test_inside_a_callers_capture_every_call_runs_as_is(fake_cuda):
+    x, runs = torch.zeros(8), []
+    fake_cuda["capturing"] = True
+    assert [_call(_key(x), x, x, runs).graph for _ in range(3)] == ["", "", ""]
+    assert len(runs) == 3 and not _FakeGraph.made
+
+
+def test_full_cache_and_clearing(fake_cuda, monkeypatch):
+    monkeypatch.setattr(graphs, "MAX_GRAPHS", 1)
+    x, y, runs = torch.zeros(8), torch.zeros(4), []
+    assert [_call(_key(x), x, x, runs).graph for _ in range(3)] == ["", "captured", "replayed"]
+    assert [_call(_key(y), y, y, runs).graph for _ in range(3)] == ["", "", ""]  # full: eager
+    graphs.clear_graphs()
+    assert [_call(_key(y), y, y, runs).graph for _ in range(2)] == ["", "captured"]
