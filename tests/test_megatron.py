@@ -349,3 +349,14 @@ def test_imports_without_megatron_and_enable_says_how_to_install():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "pip install" in out and "megatron-core" in out
+
+
+def test_pretrain_says_that_the_hooks_overlap_modes_do_not_apply(monkeypatch):
+    from spccl_train.megatron import pretrain
+    from spccl_train.train.config import load_config
+
+    monkeypatch.delenv("RANK", raising=False)
+    cfg = load_config("tiny_cpu", ["spccl.enabled=true", "spccl.overlap=stream"])
+    with pytest.warns(UserWarning, match="spccl.overlap='stream' applies to the DDP engine only"):
+        with pytest.raises(KeyError, match="RANK"):  # stops where the process group would be made
+            pretrain.run_worker(cfg, "tiny_cpu")

@@ -140,6 +140,12 @@ def run_worker(cfg: ExperimentConfig, config_name: str, *, distributed_optimizer
     destroys it at the end. Megatron's parallel state is set up (tensor and pipeline parallel
     size 1) unless already initialised, and torn down if this call set it up.
     """
+    if cfg.spccl.enabled and cfg.spccl.overlap != "off":
+        warnings.warn(
+            f"spccl.overlap={cfg.spccl.overlap!r} applies to the DDP engine only; the Megatron engine overlaps "
+            "its reductions with the backward pass through Megatron's overlap_grad_reduce",
+            stacklevel=2,
+        )
     owns_group = not dist.is_initialized()
     if owns_group:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
