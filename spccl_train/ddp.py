@@ -281,7 +281,7 @@ class SparseHookState:
         return {
             slot: getattr(self, slot)
             for slot in self.__slots__
-            if slot not in ("process_group", "_reducer", "_streams", "planning_group")
+            if slot not in ("process_group", "_reducer", "_streams", "planning_group", "_graph_scope")
         }
 
     def __setstate__(self, state: dict) -> None:
@@ -289,6 +289,7 @@ class SparseHookState:
         self._reducer = None
         self._streams = None
         self.planning_group = None
+        self._graph_scope = next(_graph_scopes)  # a copy must not replay the original's graphs
         for slot, value in state.items():
             setattr(self, slot, value)
 

@@ -29,16 +29,22 @@ class _FakeGraph:
 
     def __init__(self) -> None:
         self.replays = 0
-        self.pool = None
+        self.pool_id = None
         _FakeGraph.made.append(self)
 
     def capture_begin(self, pool=None, capture_error_mode="global") -> None:
         assert capture_error_mode == "thread_local"  # the NCCL watchdog queries events meanwhile
-        self.pool = pool
+        self.pool_id = pool
 
     def capture_end(self) -> None:
         if _FakeGraph.fail_capture:
             raise RuntimeError("operation not permitted when stream is capturing")
+        self.ended = True
+
+    def pool(self):
+        if not getattr(self, "ended", False):
+            raise RuntimeError("Called CUDAGraph::pool() without a preceding successful capture")
+        return self.pool_id
 
     def replay(self) -> None:
         self.replays += 1
@@ -78,11 +84,13 @@ class _Span:
         return None
 
 
-def _call(key, inp, out, runs: list):
-    """run_graphed with a run() that records each eager or captured execution."""
+def _call(key, inp, out, runs: list, fail: bool = False):
+    """run_graphed with a run() that records each eager or captured execution (and may raise)."""
 
     def run():
         runs.append(key)
+        if fail:
+            raise TypeError("not capturable")
         return _Stats(graph="", _statuses=torch.zeros(2, dtype=torch.int32), _timer=None), None
 
     return graphs.run_graphed(key, inp, out, run)[0]
@@ -136,6 +144,34 @@ def test_a_failed_capture_raises_and_frees_its_pool(fake_cuda):
         _call(_key(x), x, x, runs)
     assert fake_cuda["released"] == ["_cuda_endAllocateToPool", "_cuda_releasePool"]
     assert graphs.cached_graphs() == 0
+
+
+def test_an_error_inside_a_finished_capture_leaves_the_pool_to_its_graph(fake_cuda):
+    # capture_end succeeded, so the graph frees its pool itself: releasing it here too would free it twice
+    x, runs = torch.zeros(8), []
+    _call(_key(x), x, x, runs)
+    with pytest.raises(RuntimeError, match="could not capture .*TypeError: not capturable"):
+        _call(_key(x), x, x, runs, fail=True)
+    assert fake_cuda["released"] == []
+
+
+def test_a_tag_keeps_one_graph(fake_cuda):
+    x, runs = torch.zeros(8), []
+    narrow = ((3, 3), (3, 3))
+    wide = ((5, 5), (5, 5))
+    assert [_call(_key(x, "b", narrow), x, x, runs).graph for _ in range(2)] == ["", "captured"]
+    assert [_call(_key(x, "b", wide), x, x, runs).graph for _ in range(3)] == ["", "captured", "replayed"]
+    assert graphs.cached_graphs() == 1  # the narrow graph went when the wide one was captured
+    assert _call(_key(x, "b", narrow), x, x, runs).graph == "captured"  # seen before: captured again
+
+
+def test_rows_shared_by_every_rank_are_read_once(fake_cuda):
+    x = torch.zeros(8)
+    row = [3, 4]
+    shared = graphs.graph_key("all_reduce", "g", x, x, "cfg", [row] * 4, None)
+    assert shared[-1] == ("rows", 4, (3, 4))
+    assert graphs.graph_key("all_reduce", "g", x, x, "cfg", [row] * 4, None) == shared
+    assert graphs.graph_key("all_reduce", "g", x, x, "cfg", [[3, 4], [3, 5]], None)[-1] == ((3, 4), (3, 5))
 
 
 def test_inside_a_callers_capture_every_call_runs_as_is(fake_cuda):

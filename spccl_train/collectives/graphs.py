@@ -11,9 +11,11 @@ about 0.1 ms of host time against about 1.3 ms of Python for the eager call (4x 
 **Every rank decides alike.** NCCL treats capturing as a collective property: every rank must
 capture the same operation together and replay the graph of that joint capture. So the key that
 decides between eager, capture and replay holds only what is equal on every rank: the
-collective, the group, sizes, dtype, config, bounds, and the caller's ``graph_tag``. Calls on
-different tensors with otherwise equal keys (two buckets of one size) must pass different tags;
-the DDP hook and the Megatron integration tag each bucket. What is local to a rank (the tensors'
+collective, the group, sizes, dtype, config, bounds, and the caller's ``graph_tag``; decisions
+agree as long as every rank makes its graphed calls in one order (one thread per group does).
+Calls on different tensors with otherwise equal keys (two buckets of one size) must pass
+different tags; the DDP hook and the Megatron integration tag each bucket. A tag keeps one
+graph: capturing a new key under it (other sizes or bounds) drops the previous one. What is local to a rank (the tensors'
 addresses, the stream) is recorded at capture, and a later call of the key must match it: one
 that does not raises on its rank (the other ranks, replaying, would wait for it, as they wait
 for a rank that breaks its bounds). Likewise a capture that fails raises: falling back to eager
@@ -72,6 +74,7 @@ class _Entry:
 
 _lock = threading.Lock()
 _graphs: dict[tuple, _Entry] = {}
+_named: dict[tuple, tuple] = {}  # (collective, group, tag) -> the key of its cached graph
 _seen: set[tuple] = set()
 _threads = threading.local()  # each thread captures on a side stream of its own
 
@@ -85,17 +88,17 @@ def graph_key(
     bounds: Sequence[Sequence[int]],
     tag: Hashable,
 ) -> tuple:
-    """The rank-uniform key of a call planned from ``bounds`` (no address, no stream)."""
-    return (
-        collective,
-        group_key,
-        inp.numel(),
-        out.numel(),
-        inp.dtype,
-        fingerprint,
-        tuple(tuple(int(b) for b in row) for row in bounds),
-        tag,
-    )
+    """The rank-uniform key of a call planned from ``bounds`` (no address, no stream).
+
+    Its first three parts name the tagged call (:func:`run_graphed` keeps one graph per name);
+    a table whose rows are one object (``[row] * world``, as the hooks pass) is read once.
+    """
+    rows = list(bounds)
+    if rows and all(row is rows[0] for row in rows):
+        table: tuple = ("rows", len(rows), tuple(int(b) for b in rows[0]))
+    else:
+        table = tuple(tuple(int(b) for b in row) for row in rows)
+    return (collective, group_key, tag, inp.numel(), out.numel(), inp.dtype, fingerprint, table)
 
 
 def _local(inp: torch.Tensor, out: torch.Tensor) -> _Local:
@@ -165,6 +168,9 @@ def _capture(
     if side is None:
         side = streams[device.index] = torch.cuda.Stream(device)
     torch.cuda.synchronize(device)  # once per key: nothing of earlier calls is in flight during the capture
+    old = _named.pop(key[:3], None)
+    if old is not None:  # the tag's previous graph (other sizes or bounds) is done with: drop it, alike on every rank
+        del _graphs[old]
     graph = torch.cuda.CUDAGraph()
     pool = torch.cuda.graph_pool_handle()
     side.wait_stream(current)
@@ -176,13 +182,17 @@ def _capture(
             finally:
                 graph.capture_end()
     except Exception as exc:
-        _release_pool(device, pool)
+        try:
+            graph.pool()  # the capture ended: the graph owns its pool and frees it with itself
+        except RuntimeError:
+            _release_pool(device, pool)
         raise RuntimeError(
             f"cuda_graphs: could not capture this {key[0]} in a CUDA graph ({type(exc).__name__}: {exc}); "
             "the other ranks may be waiting in theirs. Run without CollectiveConfig(cuda_graphs=True) "
             "(trainer key spccl.cuda_graphs=false)"
         ) from exc
     current.wait_stream(side)
+    _named[key[:3]] = key
     entry = _graphs[key] = _Entry(
         graph=graph, local=local, stats=dataclasses.replace(stats, graph="replayed"), statuses=stats._statuses
     )
@@ -212,10 +222,16 @@ def clear_graphs(synchronize: bool = True) -> None:
 
     With ``synchronize`` (the default) it first waits for the device, so no dropped graph's
     memory goes back to the allocator while the graph runs; pass ``False`` on an error path,
-    where a stuck collective would make the wait endless.
+    where a stuck collective would make the wait endless (then it also gives up, leaving the
+    cache as it is, if another thread holds the cache for more than 5 seconds).
     """
-    with _lock:
+    if not _lock.acquire(timeout=-1 if synchronize else 5.0):
+        return
+    try:
         if synchronize and _graphs and torch.cuda.is_available():
             torch.cuda.synchronize()
         _graphs.clear()
+        _named.clear()
         _seen.clear()
+    finally:
+        _lock.release()
