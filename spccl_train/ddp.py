@@ -18,8 +18,8 @@ fewer if you need more overlap of communication with the backward pass.
 """
 
 import contextlib
-import itertools
 import dataclasses
+import itertools
 import queue
 import threading
 
@@ -47,8 +47,25 @@ _graph_scopes = itertools.count()
 """Numbers the sparse hook states, to tag their buckets' CUDA graphs (``cuda_graphs``)."""
 
 
+class SummaryRatios:
+    """Density and bytes ratio of a summary with ``kept``, ``elements``, ``bytes_sent`` and
+    ``dense_bytes`` (:class:`HookSummary`, ``spccl_train.megatron.MegatronSummary``)."""
+
+    __slots__ = ()
+
+    @property
+    def density(self) -> float:
+        """Achieved density: kept / elements."""
+        return self.kept / self.elements if self.elements else 0.0
+
+    @property
+    def bytes_ratio(self) -> float:
+        """Bytes sent over dense bytes (below 1 saves traffic)."""
+        return self.bytes_sent / self.dense_bytes if self.dense_bytes else 0.0
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
-class HookSummary:
+class HookSummary(SummaryRatios):
     """Totals since the state was made (or :meth:`SparseHookState.reset_stats`)."""
 
     iterations: int
@@ -72,16 +89,6 @@ class HookSummary:
     for a later step."""
     exchanges: int = 0
     """Planning exchanges (host synchronisations) the sparse all-reduces made."""
-
-    @property
-    def density(self) -> float:
-        """Achieved density: kept / elements."""
-        return self.kept / self.elements if self.elements else 0.0
-
-    @property
-    def bytes_ratio(self) -> float:
-        """Bytes sent over dense bytes (below 1 saves traffic)."""
-        return self.bytes_sent / self.dense_bytes if self.dense_bytes else 0.0
 
 
 class SparseHookState:

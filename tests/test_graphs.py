@@ -188,3 +188,19 @@ def test_full_cache_and_clearing(fake_cuda, monkeypatch):
     assert [_call(_key(y), y, y, runs).graph for _ in range(3)] == ["", "", ""]  # full: eager
     graphs.clear_graphs()
     assert [_call(_key(y), y, y, runs).graph for _ in range(2)] == ["", "captured"]
+
+
+def test_clearing_graphs_waits_only_after_a_clean_exit(fake_cuda, monkeypatch):
+    waits = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append(device))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    x, runs = torch.zeros(8), []
+    for ok in (True, False):
+        waits.clear()
+        with contextlib.suppress(KeyError), graphs.clearing_graphs():
+            for _ in range(2):
+                _call(_key(x), x, x, runs)
+            waits.clear()  # the capture's own wait
+            if not ok:
+                raise KeyError("a failed step")
+        assert graphs.cached_graphs() == 0 and waits == ([None] if ok else [])

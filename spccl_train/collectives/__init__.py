@@ -14,7 +14,7 @@ from .choice import Candidate, choose
 from .chunking import ChunkLayout, Span
 from .config import DEFAULT_THRESHOLDS, CollectiveConfig, ResolvedThresholds, Thresholds
 from .cost import CodecCost, CostModel, LinkCost
-from .graphs import cached_graphs, clear_graphs
+from .graphs import cached_graphs, clear_graphs, clearing_graphs
 from .plan import Message, Phase, Plan, Route, Step, plan_all_gather, plan_reduce_scatter
 from .topology import Topology
 
@@ -30,6 +30,7 @@ __all__ = [
     "CollectiveStats",
     "last_stats",
     "clear_graphs",
+    "clearing_graphs",
     "cached_graphs",
     "ChunkLayout",
     "Candidate",

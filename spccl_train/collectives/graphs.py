@@ -31,17 +31,18 @@ Replayed NCCL kernels are not watched by torch's NCCL watchdog, so a replay that
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from .._timing import Span
 
-__all__ = ["graph_key", "run_graphed", "clear_graphs", "cached_graphs", "MAX_GRAPHS"]
+__all__ = ["graph_key", "run_graphed", "clear_graphs", "clearing_graphs", "cached_graphs", "MAX_GRAPHS"]
 
 _log = logging.getLogger(__name__)
 
@@ -235,3 +236,16 @@ def clear_graphs(synchronize: bool = True) -> None:
         _seen.clear()
     finally:
         _lock.release()
+
+
+@contextlib.contextmanager
+def clearing_graphs() -> Iterator[None]:
+    """Run a block, then :func:`clear_graphs`: waiting for the device after a clean exit, not
+    after an exception (a stuck collective would make the wait endless). Wrap the work that
+    must end before ``destroy_process_group``."""
+    finished = False
+    try:
+        yield
+        finished = True
+    finally:
+        clear_graphs(synchronize=finished)

@@ -65,12 +65,13 @@ import torch
 import torch.distributed as dist
 
 from .._timing import Span
-from ..collectives import CollectiveConfig, clear_graphs
+from ..collectives import clearing_graphs
 from ..train.config import ExperimentConfig, from_dict, to_dict
 from ..train.data import prepare_tokens
 from ..train.trainer import (
     RunLog,
     _device,
+    collective_config,
     _free_port,
     _lr_at,
     _sync,
@@ -164,14 +165,10 @@ def run_worker(cfg: ExperimentConfig, config_name: str, *, distributed_optimizer
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if owns_group:
         dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if backend == "nccl" else None)
-    finished = False
     try:
-        with _megatron_device(device):
-            run_dir = _train(cfg, config_name, rank, world, local_world, device, distributed_optimizer)
-        finished = True
-        return run_dir
+        with _megatron_device(device), clearing_graphs():  # graphs hold NCCL work of the group
+            return _train(cfg, config_name, rank, world, local_world, device, distributed_optimizer)
     finally:
-        clear_graphs(synchronize=finished)  # graphs hold NCCL work; after an error a wait could be endless
         if owns_group:
             dist.destroy_process_group()
 
@@ -471,7 +468,6 @@ def _spccl_config(cfg: ExperimentConfig, local_world: int):
     from . import SpcclMegatronConfig
 
     s = cfg.spccl
-    ranks_per_node = cfg.dist.ranks_per_node or local_world
     return SpcclMegatronConfig(
         prune=s.prune,
         pruning={
@@ -482,12 +478,7 @@ def _spccl_config(cfg: ExperimentConfig, local_world: int):
             "seed": cfg.train.seed,
             "warmup_steps": s.warmup_steps,
         },
-        collective=CollectiveConfig(
-            format=s.format,
-            algorithm=s.algorithm,
-            ranks_per_node=ranks_per_node if ranks_per_node < dist.get_world_size() else None,
-            cuda_graphs=s.cuda_graphs,
-        ),
+        collective=collective_config(cfg, local_world),
         dense_iterations=s.dense_iterations,
         capacity_factor=s.capacity_factor or None,
     )

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from .._timing import Span
 from ..collectives import CollectiveStats, CollectiveWork, all_reduce, reduce_scatter_tensor
+from ..ddp import SummaryRatios
 from ..pruning import Pruner, PruneResult, piece_caps
 from .config import SpcclMegatronConfig
 
@@ -41,7 +42,7 @@ class BucketState:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class MegatronSummary:
+class MegatronSummary(SummaryRatios):
     """Totals since the state was made (or :meth:`SpcclMegatronState.reset_stats`)."""
 
     dense_reductions: int
@@ -64,16 +65,6 @@ class MegatronSummary:
     """Elements pruning kept that the capacity bound deferred to a later reduction (``capacity_factor``)."""
     exchanges: int = 0
     """Planning exchanges (host synchronisations) of the sparse reductions."""
-
-    @property
-    def density(self) -> float:
-        """Achieved density: kept / elements."""
-        return self.kept / self.elements if self.elements else 0.0
-
-    @property
-    def bytes_ratio(self) -> float:
-        """Bytes sent over dense bytes (below 1 saves traffic)."""
-        return self.bytes_sent / self.dense_bytes if self.dense_bytes else 0.0
 
 
 class SpcclMegatronState:

@@ -27,7 +27,7 @@ import yaml
 
 from .. import ddp as spccl_ddp
 from .._provenance import git_commit
-from ..collectives import CollectiveConfig, clear_graphs
+from ..collectives import CollectiveConfig, clearing_graphs
 from .config import ExperimentConfig, from_dict, to_dict
 from .data import prepare_tokens
 from .model import build_model, count_parameters
@@ -117,26 +117,33 @@ def _lr_at(cfg: ExperimentConfig, step: int) -> float:
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def collective_config(cfg: ExperimentConfig, local_world: int) -> CollectiveConfig:
+    """The sparse collectives' config of an experiment (both engines): format, algorithm, nodes
+    (``dist.ranks_per_node``, else this node's ranks; ``None`` when every rank shares a node) and
+    CUDA-graph replay. Needs the process group."""
+    s = cfg.spccl
+    ranks_per_node = cfg.dist.ranks_per_node or local_world
+    return CollectiveConfig(
+        format=s.format,
+        algorithm=s.algorithm,
+        ranks_per_node=ranks_per_node if ranks_per_node < dist.get_world_size() else None,
+        cuda_graphs=s.cuda_graphs,
+    )
+
+
 def _hook(cfg: ExperimentConfig, model: torch.nn.parallel.DistributedDataParallel, local_world: int):
     s = cfg.spccl
     if not s.enabled:
         state = spccl_ddp.DenseHookState()
         model.register_comm_hook(state, spccl_ddp.dense_allreduce_hook)
         return state
-    ranks_per_node = cfg.dist.ranks_per_node or local_world
-    collective = CollectiveConfig(
-        format=s.format,
-        algorithm=s.algorithm,
-        ranks_per_node=ranks_per_node if ranks_per_node < dist.get_world_size() else None,
-        cuda_graphs=s.cuda_graphs,
-    )
     state = spccl_ddp.SparseHookState(
         density=s.density,
         sample_fraction=s.sample_fraction,
         decay=s.decay,
         error_dtype=s.error_dtype,
         prune=s.prune,
-        collective_config=collective,
+        collective_config=collective_config(cfg, local_world),
         dense_iterations=s.dense_iterations,
         warmup_steps=s.warmup_steps,
         seed=cfg.train.seed,
@@ -165,13 +172,10 @@ def run_worker(cfg: ExperimentConfig, config_name: str) -> pathlib.Path | None:
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if backend == "nccl" else None)
-    finished = False
     try:
-        run_dir = _train(cfg, config_name, rank, world, local_rank, local_world, device)
-        finished = True
-        return run_dir
+        with clearing_graphs():  # graphs hold NCCL work of the group
+            return _train(cfg, config_name, rank, world, local_rank, local_world, device)
     finally:
-        clear_graphs(synchronize=finished)  # graphs hold NCCL work; after an error a wait could be endless
         dist.destroy_process_group()
 
 
