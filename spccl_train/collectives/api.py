@@ -506,7 +506,7 @@ def _run(
     topology = Topology(p, config.ranks_per_node)
     model = config.cost_model or _default_model(inp.device)
     key = fingerprint if config.cost_model is not None else f"{fingerprint}|{inp.device.type}"
-    if config.cuda_graphs and bounds is not None and inp.is_cuda:  # replayed: no host cost per launch
+    if _graphable(config, bounds, inp, out, transport):  # replayed: no host cost per launch
         model, key = model.replayed(), f"{key}|replayed"
     choice, weighed = decide(
         collective, config, key, table, layout, inp.dtype, topology, model, 0 if bounds is not None else 1
