@@ -15,6 +15,13 @@ Bucket size: a sparse collective pays one planning exchange (a host synchronisat
 microseconds) per call and gains from volume, so large buckets win. DDP's default of 25 MB
 suits dense NCCL; with SpCCL use ``bucket_cap_mb=256`` (:data:`RECOMMENDED_BUCKET_CAP_MB`),
 fewer if you need more overlap of communication with the backward pass.
+
+Import this module before ``init_process_group``. DDP imports ``torch.distributed.nn.functional``
+on first use, and that module binds the default group as a default argument. If it is first
+imported after the group exists, ``destroy_process_group`` cannot free the group. Gloo's worker
+threads then live into interpreter shutdown, where they can abort the process ("terminate called
+without an active exception"). Importing this module imports that one first, so the binding
+happens while there is no group.
 """
 
 import contextlib
@@ -25,6 +32,7 @@ import threading
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional
 
 from ._timing import Span
 from .collectives import CollectiveConfig, all_reduce
@@ -460,7 +468,7 @@ class DenseHookState:
     with ``bytes_sent`` those of a dense ring) from the same timers.
     """
 
-    __slots__ = ("process_group", "iteration", "_calls", "_elements", "_dense_bytes", "_spans")
+    __slots__ = ("_calls", "_dense_bytes", "_elements", "_spans", "iteration", "process_group")
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         self.process_group = process_group

@@ -20,6 +20,8 @@ JOB_TIMEOUT_S = 180
 
 
 def _worker(rank: int, world: int, init_file: str, jobs, results) -> None:
+    import spccl_train.ddp  # noqa: F401 - before init, so DDP cannot pin the group past destroy (its docstring)
+
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",

@@ -6,14 +6,16 @@ Ranks run in spawned process pools (``tests/_pool.py``) with a ``file://`` rende
 import os
 import pickle
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+from _pool import pool_factory
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _pool import pool_factory
 from spccl_train.ddp import HookSummary, SparseHookState, sparse_allreduce_hook
 from spccl_train.pruning import piece_caps
 
@@ -290,3 +292,44 @@ def test_state_validates_and_pickles_without_its_group():
     assert copy.pruner.config.warmup_steps == 5
     assert isinstance(copy.summary(), HookSummary)
     assert copy._graph_scope != state._graph_scope  # a copy tags its CUDA graphs apart from the original's
+
+
+_GROUP_FREED = """
+import gc, os, sys, weakref
+import torch, torch.distributed as dist
+if sys.argv[1] == "with-hook-module":
+    import spccl_train.ddp
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+group = weakref.ref(dist.group.WORLD)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+model(torch.randn(2, 8)).sum().backward()
+del model
+dist.destroy_process_group()
+gc.collect()
+print("alive" if group() is not None else "freed")
+"""
+
+
+def test_destroy_frees_the_group_when_the_hook_module_came_first(tmp_path):
+    """DDP imports torch.distributed.nn.functional, whose default arguments bind the default group.
+
+    Bound after init, it keeps the group (and gloo's threads) alive past destroy_process_group,
+    into interpreter shutdown, where a rank can abort. Importing spccl_train.ddp first prevents it.
+    """
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+
+    def run(imports: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", _GROUP_FREED, imports, str(tmp_path / imports)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()[-1]
+
+    if run("torch-only") == "freed":
+        pytest.skip("this torch frees the group even when DDP binds it after init")
+    assert run("with-hook-module") == "freed"
