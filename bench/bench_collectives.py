@@ -901,8 +901,12 @@ _FIELDS = [
 
 
 def _write_csv(rows: list[_Row], path: pathlib.Path, meta: dict[str, object]) -> None:
-    def opt(value: float | None, digits: int) -> str:
-        return "" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+    def opt(value: float | None, spec: int | str) -> str:
+        """Empty for no value; ``spec``: decimal places, or a format spec (bandwidths keep 6
+        significant digits, so a slow smoke-run case never reads as 0)."""
+        if value is None or math.isnan(value):
+            return ""
+        return f"{value:.{spec}f}" if isinstance(spec, int) else f"{value:{spec}}"
 
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=_FIELDS)
@@ -927,8 +931,8 @@ def _write_csv(rows: list[_Row], path: pathlib.Path, meta: dict[str, object]) ->
                     "time_ms": opt(r.time_ms, 6),
                     "time_min_ms": opt(r.time_min_ms, 6),
                     "time_max_ms": opt(r.time_max_ms, 6),
-                    "algbw_GBps": opt(r.algbw, 3),
-                    "busbw_GBps": opt(r.busbw, 3),
+                    "algbw_GBps": opt(r.algbw, ".6g"),
+                    "busbw_GBps": opt(r.busbw, ".6g"),
                     "bytes_sent": r.bytes_sent,
                     "dense_bytes": r.dense_bytes,
                     "bytes_ratio": opt(r.bytes_ratio, 5),

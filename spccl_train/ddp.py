@@ -29,6 +29,7 @@ import dataclasses
 import itertools
 import queue
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -321,27 +322,34 @@ class _Reducer:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name="spccl-ddp-reducer", daemon=True)
+        # The thread holds the queue and stream, not this object: when the hook state drops its
+        # reducer, the finaliser's None stops the thread, which lets go of the group and buffers.
+        self.thread = threading.Thread(
+            target=_reducer_loop, args=(self.jobs, self.device, self.stream), name="spccl-ddp-reducer", daemon=True
+        )
         self.thread.start()
+        weakref.finalize(self, self.jobs.put, None)
 
     def submit(self, job, ready: torch.cuda.Event | None) -> torch.futures.Future:
         future = torch.futures.Future(devices=[self.device] if self.stream is not None else None)
         self.jobs.put((job, ready, future))
         return future
 
-    def _loop(self) -> None:
-        while True:
-            job, ready, future = self.jobs.get()
-            try:
-                if self.stream is None:
-                    future.set_result(job())
-                    continue
-                with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                    self.stream.wait_event(ready)  # the bucket's gradients are complete
-                    result = job()
-                    future.set_result(result)  # records an event on the side stream for DDP to wait on
-            except BaseException as exc:  # noqa: BLE001 - handed to DDP, which raises it on its thread
-                future.set_exception(exc)
+
+def _reducer_loop(jobs: queue.SimpleQueue, device: torch.device, stream: torch.cuda.Stream | None) -> None:
+    while (item := jobs.get()) is not None:
+        job, ready, future = item
+        try:
+            if stream is None:
+                future.set_result(job())
+            else:
+                with torch.cuda.device(device), torch.cuda.stream(stream):
+                    stream.wait_event(ready)  # the bucket's gradients are complete
+                    future.set_result(job())  # records an event on the side stream for DDP to wait on
+        except BaseException as exc:  # noqa: BLE001 - handed to DDP, which raises it on its thread
+            future.set_exception(exc)
+        # Keep nothing of the job while waiting for the next: its closure holds the group and bucket.
+        item = job = ready = future = None
 
 
 def _reduce_sparse(

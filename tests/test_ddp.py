@@ -295,15 +295,19 @@ def test_state_validates_and_pickles_without_its_group():
 
 
 _GROUP_FREED = """
-import gc, os, sys, weakref
+import gc, sys, weakref
 import torch, torch.distributed as dist
-if sys.argv[1] == "with-hook-module":
+if sys.argv[1] == "hook-module-first":
     import spccl_train.ddp
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+import spccl_train.ddp
 group = weakref.ref(dist.group.WORLD)
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
-model(torch.randn(2, 8)).sum().backward()
-del model
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+state = spccl_train.ddp.SparseHookState(density=0.1, overlap=True)  # the background reducer
+model.register_comm_hook(state, spccl_train.ddp.sparse_allreduce_hook)
+for _ in range(3):  # a dense first iteration, then sparse ones on the reducer thread
+    model(torch.randn(2, 64)).sum().backward()
+del model, state
 dist.destroy_process_group()
 gc.collect()
 print("alive" if group() is not None else "freed")
@@ -311,10 +315,13 @@ print("alive" if group() is not None else "freed")
 
 
 def test_destroy_frees_the_group_when_the_hook_module_came_first(tmp_path):
-    """DDP imports torch.distributed.nn.functional, whose default arguments bind the default group.
+    """Nothing keeps the group alive past destroy_process_group, or gloo's threads run into
+    interpreter shutdown, where a rank can abort.
 
-    Bound after init, it keeps the group (and gloo's threads) alive past destroy_process_group,
-    into interpreter shutdown, where a rank can abort. Importing spccl_train.ddp first prevents it.
+    DDP imports torch.distributed.nn.functional, whose default arguments bind the default group
+    if it exists by then: importing spccl_train.ddp first prevents that (the run that imports it
+    after init shows the leak). The background reducer lets go of its last bucket's closure and
+    stops with its hook state.
     """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
 
@@ -327,9 +334,10 @@ def test_destroy_frees_the_group_when_the_hook_module_came_first(tmp_path):
             timeout=120,
             env=env,
         )
-        assert done.returncode == 0, done.stderr
-        return done.stdout.split()[-1]
+        # The other run may abort at shutdown (the hazard itself): only its verdict counts.
+        assert done.returncode == 0 or imports == "hook-module-after-init", done.stderr
+        return done.stdout.split()[-1] if done.stdout.split() else done.stderr
 
-    if run("torch-only") == "freed":
+    if run("hook-module-after-init") == "freed":
         pytest.skip("this torch frees the group even when DDP binds it after init")
-    assert run("with-hook-module") == "freed"
+    assert run("hook-module-first") == "freed"

@@ -99,8 +99,9 @@ def test_sampled_threshold_matches_reference_on_its_sample(density):
     assert torch.equal(threshold, sampled_threshold(g, e, m, k, seed=7))
     _, other = sampled_threshold(g, e, m, k, seed=8, return_sample=True)
     assert not torch.equal(sample, other)
-    # Uniform over positions: the sample's median is close to the population's.
-    assert abs(float(sample.median()) - float(population.median())) < 0.15
+    # Uniform over positions: the sample's median is close to the population's (the inputs are
+    # fresh each run; 0.25 is about 5 standard deviations of a 500-draw median here).
+    assert abs(float(sample.median()) - float(population.median())) < 0.25
 
 
 def _assert_state_zeroed(device) -> None:
@@ -167,7 +168,9 @@ def test_pruner_reaches_the_target_density(use_interpreter, monkeypatch):
     error = pruner.new_error_buffer(grad)
     result = pruner.prune(grad, error, step=3, buffer=1)
     achieved = int(result.kept) / grad.numel()
-    assert 0.006 < achieved < 0.015
+    # 40 of 4000 sampled values set the threshold: about 16% relative spread; fresh inputs each
+    # run, so the bounds sit about 5 standard deviations out.
+    assert 0.003 < achieved < 0.02
     assert int((grad != 0).sum()) == int(result.kept)
 
 

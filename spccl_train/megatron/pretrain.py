@@ -71,11 +71,12 @@ from ..train.data import prepare_tokens
 from ..train.trainer import (
     RunLog,
     _device,
-    collective_config,
     _free_port,
     _lr_at,
     _sync,
+    collective_config,
     finish_run,
+    one_rank_environment,
 )
 
 __all__ = ["launch", "main", "run_worker"]
@@ -103,16 +104,8 @@ def launch(cfg: ExperimentConfig, config_name: str, *, distributed_optimizer: bo
     nproc = cfg.dist.nproc_per_node
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nproc)}
     if nproc == 1:
-        saved = {key: os.environ.get(key) for key in (*env, "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-        os.environ.update(env, RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        try:
+        with one_rank_environment(env):
             return run_worker(cfg, config_name, distributed_optimizer=distributed_optimizer)
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
     import torch.multiprocessing as mp
 
     result = mp.get_context("spawn").SimpleQueue()

@@ -32,7 +32,7 @@ from .config import ExperimentConfig, from_dict, to_dict
 from .data import prepare_tokens
 from .model import build_model, count_parameters
 
-__all__ = ["IterationRecord", "finish_run", "launch", "run_worker", "summarize"]
+__all__ = ["IterationRecord", "finish_run", "launch", "one_rank_environment", "run_worker", "summarize"]
 
 
 @dataclasses.dataclass
@@ -70,8 +70,8 @@ def launch(cfg: ExperimentConfig, config_name: str) -> pathlib.Path | None:
     nproc = cfg.dist.nproc_per_node
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nproc)}
     if nproc == 1:
-        os.environ.update(env, RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        return run_worker(cfg, config_name)
+        with one_rank_environment(env):
+            return run_worker(cfg, config_name)
     import torch.multiprocessing as mp
 
     result = mp.get_context("spawn").SimpleQueue()
@@ -80,6 +80,22 @@ def launch(cfg: ExperimentConfig, config_name: str) -> pathlib.Path | None:
     )
     run_dir = result.get()
     return pathlib.Path(run_dir) if run_dir else None
+
+
+@contextlib.contextmanager
+def one_rank_environment(env: dict[str, str]):
+    """torchrun's variables for a single rank run in this process (``env`` plus rank 0 of 1),
+    restored on exit so a later launch in the same process does not take them for torchrun's."""
+    saved = {key: os.environ.get(key) for key in (*env, "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    os.environ.update(env, RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _spawned(local_rank: int, env: dict, nproc: int, cfg_data: dict, config_name: str, result) -> None:
