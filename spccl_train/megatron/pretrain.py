@@ -134,6 +134,11 @@ def run_worker(cfg: ExperimentConfig, config_name: str, *, distributed_optimizer
     destroys it at the end. Megatron's parallel state is set up (tensor and pipeline parallel
     size 1) unless already initialised, and torn down if this call set it up.
     """
+    if cfg.optim.name != "adamw":
+        raise ValueError(
+            f"optim.name={cfg.optim.name!r} applies to the DDP engine only (the Megatron engine steps with "
+            "Megatron's Adam): use optim.name=adamw, or --engine ddp"
+        )
     if cfg.spccl.enabled and cfg.spccl.overlap != "off":
         warnings.warn(
             f"spccl.overlap={cfg.spccl.overlap!r} applies to the DDP engine only; the Megatron engine overlaps "

@@ -105,8 +105,14 @@ class DataConfig:
 
 @dataclasses.dataclass
 class OptimConfig:
-    """AdamW with linear warm-up and cosine decay."""
+    """AdamW (or BurstAdamW) with linear warm-up and cosine decay."""
 
+    name: str = dataclasses.field(default="adamw", metadata=_choices("adamw", "burst_adamw"))
+    """``adamw``: ``torch.optim.AdamW``. ``burst_adamw``: :class:`spccl_train.optim.BurstAdamW`, which
+    reads a gradient that error feedback held back for ``a`` steps as ``a`` steps' worth (pair it
+    with ``spccl.decay=1.0``; DDP engine only)."""
+    max_age: int = dataclasses.field(default=0, metadata={"min": 0, "max": 255})
+    """``burst_adamw``: the most steps one arriving gradient is read as (0: no cap below 255)."""
     lr: float = dataclasses.field(default=1e-3, metadata=_at_least(0.0))
     """Peak learning rate."""
     min_lr: float = dataclasses.field(default=1e-4, metadata=_at_least(0.0))
@@ -255,6 +261,8 @@ class ExperimentConfig:
             raise ConfigError(
                 f"data.tokenizer_vocab_size={d.tokenizer_vocab_size} exceeds model.vocab_size={m.vocab_size}"
             )
+        if self.optim.max_age and self.optim.name != "burst_adamw":
+            raise ConfigError(f"optim.max_age={self.optim.max_age} applies to optim.name=burst_adamw only")
         s = self.spccl
         if 0 < s.capacity_factor < 1:
             raise ConfigError(

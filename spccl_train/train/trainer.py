@@ -28,11 +28,20 @@ import yaml
 from .. import ddp as spccl_ddp
 from .._provenance import git_commit
 from ..collectives import CollectiveConfig, clearing_graphs
+from ..optim import BurstAdamW
 from .config import ExperimentConfig, from_dict, to_dict
 from .data import prepare_tokens
 from .model import build_model, count_parameters
 
-__all__ = ["IterationRecord", "finish_run", "launch", "one_rank_environment", "run_worker", "summarize"]
+__all__ = [
+    "IterationRecord",
+    "finish_run",
+    "launch",
+    "make_optimizer",
+    "one_rank_environment",
+    "run_worker",
+    "summarize",
+]
 
 
 @dataclasses.dataclass
@@ -113,6 +122,14 @@ def _device(cfg: ExperimentConfig, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def make_optimizer(params, o) -> torch.optim.Optimizer:
+    """The optimizer ``optim.name`` names, from the ``optim`` section of an experiment."""
+    kwargs = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay}
+    if o.name == "burst_adamw":
+        return BurstAdamW(params, max_age=o.max_age or None, **kwargs)
+    return torch.optim.AdamW(params, foreach=True, **kwargs)
 
 
 def _autocast(cfg: ExperimentConfig, device: torch.device):
@@ -212,15 +229,7 @@ def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pa
         gradient_as_bucket_view=True,
     )
     state = _hook(cfg, ddp_model, local_world)
-    o = cfg.optim
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=o.lr,
-        betas=(o.beta1, o.beta2),
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        foreach=True,
-    )
+    optimizer = make_optimizer(model.parameters(), cfg.optim)
     precision, autocast = _autocast(cfg, device)
 
     log = RunLog(cfg, config_name, rank, world, device)
@@ -235,8 +244,8 @@ def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pa
             logits = ddp_model(input_ids=batch[:, :-1]).logits
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
         loss.backward()
-        if o.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip, foreach=True)
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _sync(device)

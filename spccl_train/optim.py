@@ -1,0 +1,127 @@
+"""BurstAdamW: AdamW for gradients that error feedback delivers in bursts.
+
+With 99% pruning and error feedback, a coordinate's gradient waits in the error buffer and
+arrives, on average every hundred steps, as one burst holding the sum of the steps it waited.
+AdamW takes that burst for one step's gradient: it inflates the second moment by the burst's
+square, so the coordinate moves about as far as a few ordinary steps would, not as far as the
+steps it waited. Training then falls behind dense (``bench/results/NOTES.md``: GPT-2 XL at 3.88
+against 2.42 after 100 iterations).
+
+BurstAdamW reads the all-reduced gradient as what arrived. A zero means nothing arrived this step.
+A nonzero value after ``a`` steps (the steps since the coordinate last arrived, the ``age``) is
+read as the sum of ``a`` per-step gradients ``g = grad / a``. It then applies ``a`` steps' worth
+of AdamW at once:
+
+    m <- beta1^a m + (1 - beta1^a) g          (a steps of a constant g, in closed form)
+    v <- beta2^a v + (1 - beta2^a) g^2
+    p <- p - lr a m_hat / (sqrt(v_hat) + eps)  (bias corrections of the global step)
+
+Coordinates that received nothing keep ``m`` and ``v`` and move by weight decay only. Weight
+decay is decoupled, as in AdamW, every step. With every coordinate arriving every step
+(``a = 1``), this is AdamW (equal to rounding).
+
+Error feedback with ``decay < 1`` leaks part of the waiting sum, so a burst then holds less than
+``a`` steps. ``max_age`` caps ``a`` for that case; the age counter itself saturates at 255.
+A coordinate whose gradient is exactly zero for reasons other than pruning, such as an unused
+embedding row, also ages. Its first nonzero gradient then moves it as if that gradient had
+waited. Bound that with ``max_age`` where it matters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["BurstAdamW"]
+
+_AGE_LIMIT = 255  # ages are uint8
+
+
+class BurstAdamW(torch.optim.Optimizer):
+    """AdamW that applies a gradient arriving after ``a`` empty steps as ``a`` steps' worth (module docstring).
+
+    Args:
+        params: parameters or parameter groups, as for ``torch.optim.AdamW``.
+        lr, betas, eps, weight_decay: as for ``torch.optim.AdamW``.
+        max_age: the most steps one arriving gradient is read as (1 to 255; ``None``: 255).
+
+    State per parameter: ``exp_avg``, ``exp_avg_sq`` (the parameter's dtype), ``age`` (uint8:
+    steps since the coordinate last received a nonzero gradient) and ``step``.
+
+    Example::
+
+        >>> opt = BurstAdamW(model.parameters(), lr=1.5e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        >>> # with spccl_train.ddp.sparse_allreduce_hook (decay=1.0) as the model's comm hook
+        >>> loss.backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        max_age: int | None = None,
+    ) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"lr={lr}: the learning rate must be >= 0")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas={betas}: each must lie in [0, 1)")
+        if not eps > 0.0:
+            raise ValueError(f"eps={eps}: must be > 0")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"weight_decay={weight_decay}: must be >= 0")
+        if max_age is not None and not 1 <= max_age <= _AGE_LIMIT:
+            raise ValueError(f"max_age={max_age}: must be 1 to {_AGE_LIMIT} (or None for {_AGE_LIMIT})")
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "max_age": max_age}
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step; ``closure`` as for other torch optimizers."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            max_age = group["max_age"] or _AGE_LIMIT
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("BurstAdamW takes dense gradients (zeros mark what did not arrive)")
+                self._update(p, self._state(p), beta1, beta2, lr, eps, wd, max_age)
+        return loss
+
+    def _state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["age"] = torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.preserve_format)
+        return state
+
+    @staticmethod
+    def _update(p, state, beta1, beta2, lr, eps, wd, max_age) -> None:
+        grad, m, v, age = p.grad, state["exp_avg"], state["exp_avg_sq"], state["age"]
+        state["step"] += 1
+        step = state["step"]
+        age.add_(age < _AGE_LIMIT)  # saturating
+        arrived = grad != 0
+        a = age.clamp(max=max_age).to(m.dtype)
+        g = grad.to(m.dtype) / a
+        # m and v move only where something arrived: weight 1 - beta^a there, 0 elsewhere.
+        m.lerp_(g, (1 - torch.pow(beta1, a)).mul_(arrived))
+        v.lerp_(g.square_(), (1 - torch.pow(beta2, a)).mul_(arrived))
+        if wd:
+            p.mul_(1 - lr * wd)
+        bias1 = 1 - beta1**step
+        bias2 = 1 - beta2**step
+        denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
+        p.addcdiv_(a.mul_(arrived).mul_(m), denom, value=-lr / bias1)
+        age.masked_fill_(arrived, 0)
