@@ -30,12 +30,24 @@ waited. Bound that with ``max_age`` where it matters.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
+
+from ._triton import triton_importable
 
 __all__ = ["BurstAdamW"]
 
 _AGE_LIMIT = 255  # ages are uint8
+
+
+def _fused(p: torch.Tensor, *rest: torch.Tensor) -> bool:
+    """True when the step runs as one Triton pass: fp32 and contiguous, on CUDA (or on CPU
+    under the Triton interpreter, as the tests do); otherwise the torch ops below serve."""
+    if not (p.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") or not triton_importable():
+        return False
+    floats = (p, *rest[:-1])
+    return all(t.dtype == torch.float32 and t.is_contiguous() for t in floats) and rest[-1].is_contiguous()
 
 
 class BurstAdamW(torch.optim.Optimizer):
@@ -111,6 +123,24 @@ class BurstAdamW(torch.optim.Optimizer):
         grad, m, v, age = p.grad, state["exp_avg"], state["exp_avg_sq"], state["age"]
         state["step"] += 1
         step = state["step"]
+        if _fused(p, grad, m, v, age):
+            from ._optim_kernel import burst_adamw_step
+
+            burst_adamw_step(
+                p,
+                grad,
+                m,
+                v,
+                age,
+                beta1=beta1,
+                beta2=beta2,
+                decay_factor=1 - lr * wd,
+                step_size=lr / (1 - beta1**step),
+                inv_sqrt_bias2=1 / math.sqrt(1 - beta2**step),
+                eps=eps,
+                max_age=max_age,
+            )
+            return
         age.add_(age < _AGE_LIMIT)  # saturating
         arrived = grad != 0
         a = age.clamp(max=max_age).to(m.dtype)

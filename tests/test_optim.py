@@ -141,3 +141,31 @@ def test_experiment_config_picks_the_optimizer():
     cfg.optim.name = "adamw"
     with pytest.raises(ConfigError, match="optim.max_age=10 applies to optim.name=burst_adamw"):
         cfg.validate()
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@settings(deadline=None, max_examples=8)
+@given(st.integers(1, 5000), st.floats(0.0, 0.9), st.sampled_from([None, 3]), st.sampled_from([0.0, 0.9]))
+def test_fused_step_matches_the_torch_ops(n, drop, max_age, beta1):
+    """The Triton pass (CUDA, or the interpreter on CPU) against the torch ops, fp32, random arrivals."""
+    params = [torch.randn(n, device=DEVICE, requires_grad=True) for _ in range(2)]
+    kwargs = {"lr": 1e-2, "betas": (beta1, 0.95), "weight_decay": 0.1, "max_age": max_age}
+    fused, plain = BurstAdamW([params[0]], **kwargs), BurstAdamW([params[1]], **kwargs)
+    with torch.no_grad():
+        params[1].copy_(params[0])
+    for _ in range(6):
+        g = torch.randn(n, device=DEVICE) * (torch.rand(n, device=DEVICE) >= drop)
+        params[0].grad, params[1].grad = g.clone(), g.clone()
+        fused.step()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("spccl_train.optim._fused", lambda *tensors: False)
+            plain.step()
+    torch.testing.assert_close(params[0], params[1], rtol=1e-5, atol=1e-6)
+    for key in ("exp_avg", "exp_avg_sq", "age"):
+        # lerp's two formulas (torch switches at weight 0.5) round differently in fp32
+        torch.testing.assert_close(fused.state[params[0]][key], plain.state[params[1]][key], rtol=1e-4, atol=1e-6)
+    from spccl_train.optim import _fused
+
+    assert _fused(params[0], params[0].grad, *[fused.state[params[0]][k] for k in ("exp_avg", "exp_avg_sq", "age")])
