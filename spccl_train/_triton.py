@@ -4,10 +4,11 @@ may lack it), and the small int64 tables the kernels read, made once per value a
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
-__all__ = ["triton_importable", "device_table"]
+__all__ = ["triton_importable", "device_table", "uses_triton"]
 
 _TABLES_KEPT = 256
 _tables: dict[tuple, torch.Tensor] = {}
@@ -21,6 +22,13 @@ def triton_importable() -> bool:
     except ImportError:
         return False
     return True
+
+
+def uses_triton(t: torch.Tensor) -> bool:
+    """True when the Triton kernels serve ``t``: on CUDA, or on CPU under the interpreter
+    (``TRITON_INTERPRET=1``, as the tests run them)."""
+    on_device = t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return on_device and triton_importable()
 
 
 def device_table(values: tuple, device: torch.device) -> torch.Tensor:

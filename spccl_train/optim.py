@@ -30,11 +30,10 @@ waited. Bound that with ``max_age`` where it matters.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-from ._triton import triton_importable
+from ._triton import uses_triton
 
 __all__ = ["BurstAdamW"]
 
@@ -42,12 +41,14 @@ _AGE_LIMIT = 255  # ages are uint8
 
 
 def _fused(p: torch.Tensor, *rest: torch.Tensor) -> bool:
-    """True when the step runs as one Triton pass: fp32 and contiguous, on CUDA (or on CPU
-    under the Triton interpreter, as the tests do); otherwise the torch ops below serve."""
-    if not (p.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") or not triton_importable():
-        return False
+    """True when the step runs as one Triton pass: the Triton kernels serve ``p`` and the tensors
+    are contiguous, fp32 (the age last: uint8); otherwise the torch ops below serve."""
     floats = (p, *rest[:-1])
-    return all(t.dtype == torch.float32 and t.is_contiguous() for t in floats) and rest[-1].is_contiguous()
+    return (
+        uses_triton(p)
+        and all(t.dtype == torch.float32 and t.is_contiguous() for t in floats)
+        and rest[-1].is_contiguous()
+    )
 
 
 class BurstAdamW(torch.optim.Optimizer):

@@ -76,6 +76,7 @@ from ..train.trainer import (
     _sync,
     collective_config,
     finish_run,
+    make_optimizer,
     one_rank_environment,
 )
 
@@ -321,14 +322,7 @@ class _LocalAdam:
         self.params = decay + no_decay
         self.clip = o.grad_clip
         groups = [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}]
-        self.optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]],
-            lr=o.lr,
-            betas=(o.beta1, o.beta2),
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-            foreach=True,
-        )
+        self.optimizer = make_optimizer([g for g in groups if g["params"]], o)
 
     @property
     def param_groups(self) -> list[dict]:

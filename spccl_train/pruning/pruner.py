@@ -8,12 +8,11 @@ torch reference, or the Triton kernels in Triton's interpreter when ``TRITON_INT
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 
 import torch
 
-from .._triton import triton_importable
+from .._triton import uses_triton
 from . import reference
 
 __all__ = ["PRUNE_BLOCK", "PruneConfig", "PruneResult", "Pruner", "uses_triton"]
@@ -23,12 +22,6 @@ PRUNE_BLOCK = 4096
 leave for :func:`~.cap.cap_ranges`."""
 _ERROR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def uses_triton(t: torch.Tensor) -> bool:
-    """True when pruning ``t`` runs the Triton kernels (CUDA, or the interpreter on CPU)."""
-    on_device = t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return on_device and triton_importable()
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
