@@ -131,10 +131,19 @@ def test_bad_arguments_name_the_value(kwargs, match):
         BurstAdamW([torch.zeros(1, requires_grad=True)], **kwargs)
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def test_experiment_config_picks_the_optimizer():
     params = [torch.zeros(2, requires_grad=True)]
     cfg = ExperimentConfig()
-    assert isinstance(make_optimizer(params, cfg.optim), torch.optim.AdamW)
+    adamw = make_optimizer(iter(params), cfg.optim)
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.param_groups[0]["params"] == params
+    # fused on GPUs (the fastest dense baseline), foreach on CPU; groups keep their own keys
+    impl = "fused" if DEVICE == "cuda" else "foreach"
+    assert adamw.defaults[impl] is True
+    groups = make_optimizer([{"params": iter([torch.zeros(1, device=DEVICE)]), "weight_decay": 0.0}], cfg.optim)
+    assert groups.defaults[impl] is True and groups.param_groups[0]["weight_decay"] == 0.0
     cfg.optim.name, cfg.optim.max_age = "burst_adamw", 10
     opt = make_optimizer(params, cfg.optim)
     assert isinstance(opt, BurstAdamW) and opt.param_groups[0]["max_age"] == 10
@@ -142,8 +151,6 @@ def test_experiment_config_picks_the_optimizer():
     with pytest.raises(ConfigError, match="optim.max_age=10 applies to optim.name=burst_adamw"):
         cfg.validate()
 
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @settings(deadline=None, max_examples=8)

@@ -108,7 +108,7 @@ class OptimConfig:
     """AdamW (or BurstAdamW) with linear warm-up and cosine decay."""
 
     name: str = dataclasses.field(default="adamw", metadata=_choices("adamw", "burst_adamw"))
-    """``adamw``: ``torch.optim.AdamW``. ``burst_adamw``: :class:`spccl_train.optim.BurstAdamW`, which
+    """``adamw``: ``torch.optim.AdamW`` (``fused=True`` on GPUs, ``foreach`` on CPU). ``burst_adamw``: :class:`spccl_train.optim.BurstAdamW`, which
     reads a gradient that error feedback held back for ``a`` steps as ``a`` steps' worth (pair it
     with ``spccl.decay=1.0``; DDP engine only)."""
     max_age: int = dataclasses.field(default=0, metadata={"min": 0, "max": 255})
