@@ -82,21 +82,31 @@ void check_decode(const at::Tensor& payload, int64_t n, c10::ScalarType value, c
 }
 
 at::Tensor pici_decode_cuda(const at::Tensor& payload, int64_t n, c10::ScalarType value, at::Tensor& dst,
-                            int64_t offset, bool accumulate) {
+                            int64_t offset, bool accumulate, const at::Tensor* prior = nullptr) {
   check_decode(payload, n, value, dst, offset, accumulate);
   TORCH_CHECK(payload.numel() >= pici_metadata(n), "spccl: Pici payload of ", payload.numel(),
               " bytes is shorter than its ", pici_metadata(n), "-byte metadata for n=", n);
+  if (prior) {
+    check_bytes(*prior, "prior", dst);
+    TORCH_CHECK(prior->numel() >= 512 * tiles_of(n), "spccl: prior Pici payload of ", prior->numel(),
+                " bytes is shorter than its ", 512 * tiles_of(n), " bytes of bitvectors for n=", n);
+  }
   const c10::cuda::CUDAGuard guard(dst.device());
   auto status = at::zeros({1}, dst.options().dtype(at::kInt));
   pici_decompress(payload.const_data_ptr<uint8_t>(), payload.numel(), n, elem_of(value),
                   static_cast<uint8_t*>(dst.mutable_data_ptr()) + offset * dst.element_size(),
-                  elem_of(dst.scalar_type()), accumulate, status.mutable_data_ptr<int32_t>(),
-                  c10::cuda::getCurrentCUDAStream());
+                  elem_of(dst.scalar_type()), accumulate, prior ? prior->const_data_ptr<uint8_t>() : nullptr,
+                  status.mutable_data_ptr<int32_t>(), c10::cuda::getCurrentCUDAStream());
   return status;
 }
 
 at::Tensor pici_decompress_cuda(const at::Tensor& payload, int64_t n, at::Tensor& dst, int64_t offset) {
   return pici_decode_cuda(payload, n, dst.scalar_type(), dst, offset, false);
+}
+
+at::Tensor pici_decompress_patch_cuda(const at::Tensor& payload, int64_t n, const at::Tensor& prior, at::Tensor& dst,
+                                      int64_t offset) {
+  return pici_decode_cuda(payload, n, dst.scalar_type(), dst, offset, false, &prior);
 }
 
 at::Tensor pici_decompress_accumulate_cuda(const at::Tensor& payload, int64_t n, c10::ScalarType dtype,
@@ -134,6 +144,7 @@ at::Tensor coo_decompress_accumulate_cuda(const at::Tensor& payload, const at::T
 TORCH_LIBRARY(spccl, m) {
   m.def("pici_compress(Tensor src, int offset, int n, Tensor(a!) out) -> Tensor");
   m.def("pici_decompress(Tensor payload, int n, Tensor(a!) dst, int offset) -> Tensor");
+  m.def("pici_decompress_patch(Tensor payload, int n, Tensor prior, Tensor(a!) dst, int offset) -> Tensor");
   m.def("pici_decompress_accumulate(Tensor payload, int n, ScalarType dtype, Tensor(a!) dst, int offset) -> Tensor");
   m.def("coo_compress(Tensor src, int offset, int n, Tensor(a!) out) -> Tensor");
   m.def("coo_decompress(Tensor payload, Tensor nnz, int n, Tensor(a!) dst, int offset) -> Tensor");
@@ -145,6 +156,7 @@ TORCH_LIBRARY(spccl, m) {
 TORCH_LIBRARY_IMPL(spccl, CUDA, m) {
   m.impl("pici_compress", &pici_compress_cuda);
   m.impl("pici_decompress", &pici_decompress_cuda);
+  m.impl("pici_decompress_patch", &pici_decompress_patch_cuda);
   m.impl("pici_decompress_accumulate", &pici_decompress_accumulate_cuda);
   m.impl("coo_compress", &coo_compress_cuda);
   m.impl("coo_decompress", &coo_decompress_cuda);

@@ -142,6 +142,14 @@ __global__ void __launch_bounds__(kThreads, SPCCL_COMPRESS_MIN_BLOCKS) pici_comp
   copy_out(stage_s, pending, pending_base, values, value_room);
 }
 
+// What a decoder does with the destination range.
+enum Mode : int {
+  kOverwrite = 0,   // write every element, zeros included
+  kAccumulate = 1,  // add the marked elements
+  kPatch = 2,       // the range holds the prior payload's data: write the marked elements and zero
+                    // those only the prior marks
+};
+
 // Decompression: one block per tile. Every warp reads the tile's 64 words and index step (L1
 // broadcasts; the next tile's are prefetched into registers), and each warp writes 8 rows: lane l owns
 // columns 2l and 2l+1, holds their words and offsets in registers, and stores each row as one
@@ -149,20 +157,23 @@ __global__ void __launch_bounds__(kThreads, SPCCL_COMPRESS_MIN_BLOCKS) pici_comp
 // Accumulation first stages the tile's run of A in shared memory (gathers there cost a few
 // bank conflicts where L1 replays per line; measured +10-15 points) and then reads, adds and
 // writes only the marked elements of dst; overwrite gathers straight from A through L1, which
-// measured faster than staging's two barriers, and writes every element.
-template <typename V, typename D, bool kAccumulate>
-__global__ void __launch_bounds__(kThreads, kAccumulate ? 4 : 6) pici_decompress_kernel(
+// measured faster than staging's two barriers, and writes every element. Patch gathers like
+// overwrite but, like accumulation, touches only the elements either payload marks.
+template <typename V, typename D, int kMode>
+__global__ void __launch_bounds__(kThreads, kMode == kAccumulate ? 4 : 6) pici_decompress_kernel(
     const uint8_t* __restrict__ payload, int64_t capacity, int64_t n, int64_t tiles,
     int64_t index_offset, int64_t values_offset, D* __restrict__ dst, bool aligned,
-    int32_t* __restrict__ status) {
+    const uint8_t* __restrict__ prior, int32_t* __restrict__ status) {
+  constexpr bool kAdds = kMode == kAccumulate;
   constexpr int kRows = kTileRows / (kThreads / 32);  // rows per warp
   union Pair {
     D e[2];
     typename std::conditional<sizeof(D) == 4, uint2, uint32_t>::type vec;
   };
-  __shared__ __align__(16) V stage_s[kAccumulate ? kTile : 1];
+  __shared__ __align__(16) V stage_s[kAdds ? kTile : 1];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned long long* bits = reinterpret_cast<const unsigned long long*>(payload);
+  const unsigned long long* prior_bits = reinterpret_cast<const unsigned long long*>(prior);
   const uint32_t* index = reinterpret_cast<const uint32_t*>(payload + index_offset);
   const V* values = reinterpret_cast<const V*>(payload + values_offset);
   const int64_t nnz = index[tiles];
@@ -173,18 +184,20 @@ __global__ void __launch_bounds__(kThreads, kAccumulate ? 4 : 6) pici_decompress
   }
   const int c0 = 2 * lane, c1 = c0 + 1;
   // The next tile's words and index step are loaded while this tile's rows are written.
-  ulonglong2 w_next = make_ulonglong2(0ull, 0ull);
+  ulonglong2 w_next = make_ulonglong2(0ull, 0ull), p_next = make_ulonglong2(0ull, 0ull);
   uint32_t lo_next = 0, hi_next = 0;
   if (blockIdx.x < tiles) {
     w_next = reinterpret_cast<const ulonglong2*>(bits + int64_t(blockIdx.x) * kTileRows)[lane];
+    if constexpr (kMode == kPatch) p_next = reinterpret_cast<const ulonglong2*>(prior_bits + int64_t(blockIdx.x) * kTileRows)[lane];
     lo_next = index[blockIdx.x];
     hi_next = index[blockIdx.x + 1];
   }
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const ulonglong2 w = w_next;
+    const ulonglong2 w = w_next, pw = p_next;
     const uint32_t lo = lo_next, hi = hi_next;
     if (tile + gridDim.x < tiles) {
       w_next = reinterpret_cast<const ulonglong2*>(bits + (tile + gridDim.x) * kTileRows)[lane];
+      if constexpr (kMode == kPatch) p_next = reinterpret_cast<const ulonglong2*>(prior_bits + (tile + gridDim.x) * kTileRows)[lane];
       lo_next = index[tile + gridDim.x];
       hi_next = index[tile + gridDim.x + 1];
     }
@@ -197,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, kAccumulate ? 4 : 6) pici_decompress
     if (rest < kTile) {  // column c holds rows r with 64 r + c < rest
       const int64_t rows0 = rest > c0 ? (rest - c0 + 63) / 64 : 0;
       const int64_t rows1 = rest > c1 ? (rest - c1 + 63) / 64 : 0;
-      past_end = (rows0 < 64 && (w.x >> rows0)) || (rows1 < 64 && (w.y >> rows1));
+      past_end = (rows0 < 64 && ((w.x | pw.x) >> rows0)) || (rows1 < 64 && ((w.y | pw.y) >> rows1));
     }
     int bad = __any_sync(kFullMask, past_end) ? kPastEnd : 0;
     if (hi < lo || (tile == 0 && lo != 0)) bad |= kBadIndex;
@@ -208,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, kAccumulate ? 4 : 6) pici_decompress
       continue;
     }
     const V* col0;
-    if constexpr (kAccumulate) {
+    if constexpr (kAdds) {
       __syncthreads();  // the previous tile's gathers are done with stage_s
       for (uint32_t i = threadIdx.x; i < total; i += kThreads) stage_s[i] = values[int64_t(lo) + i];
       __syncthreads();
@@ -224,18 +237,24 @@ __global__ void __launch_bounds__(kThreads, kAccumulate ? 4 : 6) pici_decompress
     for (int i = 0; i < kRows; ++i) {
       const int r = warp * kRows + i;
       const unsigned long long below = (1ull << r) - 1ull;
-      if constexpr (kAccumulate) {
+      if constexpr (kAdds) {
         // Read-add-write the marked elements only: unmarked ones keep their bits, and at high
         // sparsity most 32-byte sectors of dst are never touched (the whole-row form moved
         // all of dst twice whatever the sparsity). Marked bits lie below n (checked above).
         if ((w.x >> r) & 1ull) out[r * kTileRows] = from_float<D>(to_float(out[r * kTileRows]) + to_float(col0[__popcll(w.x & below)]));
         if ((w.y >> r) & 1ull) out[r * kTileRows + 1] = from_float<D>(to_float(out[r * kTileRows + 1]) + to_float(col1[__popcll(w.y & below)]));
+      } else if constexpr (kMode == kPatch) {
+        // Marked by either payload, hence below n (checked above).
+        if ((w.x >> r) & 1ull) out[r * kTileRows] = col0[__popcll(w.x & below)];
+        else if ((pw.x >> r) & 1ull) out[r * kTileRows] = D(0);
+        if ((w.y >> r) & 1ull) out[r * kTileRows + 1] = col1[__popcll(w.y & below)];
+        else if ((pw.y >> r) & 1ull) out[r * kTileRows + 1] = D(0);
       } else {
         row[i].e[0] = (w.x >> r) & 1ull ? col0[__popcll(w.x & below)] : D(0);
         row[i].e[1] = (w.y >> r) & 1ull ? col1[__popcll(w.y & below)] : D(0);
       }
     }
-    if constexpr (!kAccumulate) {  // accumulation wrote in place above
+    if constexpr (kMode == kOverwrite) {  // accumulation and patch wrote in place above
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
         const int r = warp * kRows + i;
@@ -273,15 +292,15 @@ void launch_compress(const T* src, int64_t n, uint8_t* out, int64_t capacity, vo
   check_launch("pici_compress_kernel");
 }
 
-template <typename V, typename D, bool kAccumulate>
-void launch_decompress(const uint8_t* payload, int64_t capacity, int64_t n, void* dst, int32_t* status,
-                       cudaStream_t stream) {
+template <typename V, typename D, int kMode>
+void launch_decompress(const uint8_t* payload, int64_t capacity, int64_t n, void* dst, const uint8_t* prior,
+                       int32_t* status, cudaStream_t stream) {
   const PiciOffsets off(n);
   const bool aligned = reinterpret_cast<uintptr_t>(dst) % 16 == 0;
-  auto kernel = pici_decompress_kernel<V, D, kAccumulate>;
+  auto kernel = pici_decompress_kernel<V, D, kMode>;
   kernel<<<resident_blocks(kernel, off.tiles), kThreads, 0, stream>>>(
       payload, capacity, n, off.tiles, off.index_offset, off.values_offset, static_cast<D*>(dst), aligned,
-      status);
+      prior, status);
   check_launch("pici_decompress_kernel");
 }
 
@@ -306,27 +325,30 @@ void pici_compress(const void* src, int elem_bytes, int64_t n, uint8_t* out, int
 }
 
 void pici_decompress(const uint8_t* payload, int64_t capacity, int64_t n, Elem value, void* dst,
-                     Elem dst_type, bool accumulate, int32_t* status, cudaStream_t stream) {
+                     Elem dst_type, bool accumulate, const uint8_t* prior, int32_t* status,
+                     cudaStream_t stream) {
   if (n == 0) return;
   if (!accumulate) {
-    // Overwrite copies bits: the element size is all that matters.
+    // Overwrite and patch copy bits: the element size is all that matters.
     if (value == Elem::kF32) {
-      launch_decompress<uint32_t, uint32_t, false>(payload, capacity, n, dst, status, stream);
+      if (prior) launch_decompress<uint32_t, uint32_t, kPatch>(payload, capacity, n, dst, prior, status, stream);
+      else launch_decompress<uint32_t, uint32_t, kOverwrite>(payload, capacity, n, dst, nullptr, status, stream);
     } else {
-      launch_decompress<uint16_t, uint16_t, false>(payload, capacity, n, dst, status, stream);
+      if (prior) launch_decompress<uint16_t, uint16_t, kPatch>(payload, capacity, n, dst, prior, status, stream);
+      else launch_decompress<uint16_t, uint16_t, kOverwrite>(payload, capacity, n, dst, nullptr, status, stream);
     }
   } else if (dst_type == Elem::kF32) {
     if (value == Elem::kF32) {
-      launch_decompress<float, float, true>(payload, capacity, n, dst, status, stream);
+      launch_decompress<float, float, kAccumulate>(payload, capacity, n, dst, nullptr, status, stream);
     } else if (value == Elem::kBF16) {
-      launch_decompress<__nv_bfloat16, float, true>(payload, capacity, n, dst, status, stream);
+      launch_decompress<__nv_bfloat16, float, kAccumulate>(payload, capacity, n, dst, nullptr, status, stream);
     } else {
-      launch_decompress<__half, float, true>(payload, capacity, n, dst, status, stream);
+      launch_decompress<__half, float, kAccumulate>(payload, capacity, n, dst, nullptr, status, stream);
     }
   } else if (dst_type == Elem::kBF16) {
-    launch_decompress<__nv_bfloat16, __nv_bfloat16, true>(payload, capacity, n, dst, status, stream);
+    launch_decompress<__nv_bfloat16, __nv_bfloat16, kAccumulate>(payload, capacity, n, dst, nullptr, status, stream);
   } else {
-    launch_decompress<__half, __half, true>(payload, capacity, n, dst, status, stream);
+    launch_decompress<__half, __half, kAccumulate>(payload, capacity, n, dst, nullptr, status, stream);
   }
 }
 

@@ -28,10 +28,12 @@ void pici_compress(const void* src, int elem_bytes, int64_t n, uint8_t* out, int
                    void* scratch, int64_t* nnz, cudaStream_t stream);
 
 // Decode a Pici payload of n elements into dst[0, n): overwrite (value == dst type), or
-// accumulate (dst is `value` or kF32). ORs problems into *status.
+// accumulate (dst is `value` or kF32). With `prior` (overwrite only: the bitvectors of a Pici
+// payload of what dst[0, n) holds now), write only the elements either payload marks: the
+// payload's values, and zeros where only the prior marks. ORs problems into *status.
 void pici_decompress(const uint8_t* payload, int64_t capacity, int64_t n, Elem value,
-                     void* dst, Elem dst_type, bool accumulate, int32_t* status,
-                     cudaStream_t stream);
+                     void* dst, Elem dst_type, bool accumulate, const uint8_t* prior,
+                     int32_t* status, cudaStream_t stream);
 
 // COO-encode src[0, n) into out[0, capacity). `values_scratch` holds n elements and
 // `scratch` compress_scratch_bytes(tiles) bytes.

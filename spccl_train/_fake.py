@@ -33,6 +33,11 @@ def _pici_decompress(payload, n, dst, offset):
     return _status_like(payload)
 
 
+@torch.library.register_fake("spccl::pici_decompress_patch")
+def _pici_decompress_patch(payload, n, prior, dst, offset):
+    return _status_like(payload)
+
+
 @torch.library.register_fake("spccl::pici_decompress_accumulate")
 def _pici_decompress_accumulate(payload, n, dtype, dst, offset):
     return _status_like(payload)

@@ -614,6 +614,35 @@ def test_nan_inf_subnormal_travel(pools):
     assert all(r == expected for r in results[1])  # all-reduce results on rank 1
 
 
+def _job_cancellations(rank, world, seed):
+    """Sums that cancel to exactly zero where this rank holds a nonzero: the in-place all-reduce's
+    gather phase, which writes only what changed (a Pici patch), must clear them."""
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        n = 3 * TILE + 77
+        g = torch.Generator().manual_seed(_seed("cancel", seed, str(dtype)))
+        v = torch.randn(n, generator=g).to(dtype)
+        v[v == 0] = 1
+        support = torch.rand(n, generator=g) < 0.05
+        cancel = support & (torch.rand(n, generator=g) < 0.5)
+        xs = torch.zeros(world, n, dtype=dtype)
+        xs[0] = torch.where(support, v, torch.zeros((), dtype=dtype))
+        xs[1] = torch.where(cancel, -v, torch.zeros((), dtype=dtype))
+        xs[2:] = torch.where(torch.rand(world - 2, n, generator=g) < 0.01, v, torch.zeros((), dtype=dtype))
+        zero = cancel & (xs[2:] == 0).all(0)
+        t = xs[rank].clone()
+        spccl_train.all_reduce(t, config=CollectiveConfig(format="pici", algorithm="direct"))
+        _check_sum(t, xs, f"cancellations, {dtype}")
+        assert int(zero.sum()) > 0 and bool((t[zero] == 0).all()), f"{dtype}: a cancelled sum is nonzero"
+        out.append(_digest(t))
+    return out
+
+
+def test_all_reduce_clears_sums_that_cancel(pools):
+    results = pools(3).run(_job_cancellations, SEED)
+    assert all(r == results[0] for r in results), results  # bit-identical on every rank
+
+
 def _job_subgroups(rank, world, seed):
     members = [[0, 2], [1, 3]]
     groups = [dist.new_group(ranks) for ranks in members]  # every rank creates every group

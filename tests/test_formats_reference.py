@@ -465,6 +465,43 @@ def test_decompress_sub_range_writes_only_that_range(fmt, case, sentinel, seed):
     _assert_bits_equal(dst[offset : offset + n], _decoded_bits(x))
 
 
+# ----------------------------------------------------------------------------- patch
+
+
+@settings(deadline=None, max_examples=100)
+@given(case=ranges(), old_seed=st.integers(0, 2**63 - 1), density=st.sampled_from(EDGE_DENSITIES) | st.floats(0, 1))
+def test_decompress_patch_equals_overwrite_and_touches_only_marked(case, old_seed, density):
+    """With ``prior`` (a payload of what the range holds), the result is the overwrite's, and only
+    elements that either payload marks change: elsewhere even a -0.0 keeps its bits."""
+    x_full, offset, n = case
+    x = x_full[offset : offset + n].clone()
+    old = _make_tensor(n, x.dtype, density, old_seed, specials=3)
+    dst = x_full.clone()  # random contents around the range
+    dst[offset : offset + n] = old
+    before = _bits(dst).clone()
+    F.decompress_into("pici", F.pici_encode(x), dst, offset=offset, n=n, prior=F.pici_encode(old))
+    after = _bits(dst)
+    assert torch.equal(after[:offset], before[:offset])
+    assert torch.equal(after[offset + n :], before[offset + n :])
+    marked = (x != 0) | (old != 0)
+    inside = after[offset : offset + n]
+    assert torch.equal(inside[~marked], before[offset : offset + n][~marked])
+    assert torch.equal(inside[marked], _decoded_bits(x)[marked])
+
+
+def test_decompress_patch_arguments_are_checked():
+    x = torch.zeros(100)
+    payload = F.pici_encode(x)
+    with pytest.raises(ValueError, match="prior= serves overwriting Pici decodes only"):
+        F.decompress_into("pici", payload, x, prior=payload, accumulate=True)
+    with pytest.raises(ValueError, match="prior= serves overwriting Pici decodes only"):
+        F.decompress_into("coo", F.coo_encode(x), x, nnz=0, prior=payload)
+    with pytest.raises(TypeError, match="prior must be a torch.uint8"):
+        F.decompress_into("pici", payload, x, prior=x)
+    with pytest.raises(CorruptPayloadError, match="shorter than its metadata"):
+        F.decompress_into("pici", payload, x, prior=payload[:10])
+
+
 # ----------------------------------------------------------------------------- accumulate
 
 

@@ -16,7 +16,7 @@ What is checked, for float32 / bfloat16 / float16:
   ``check=True``, and never a write outside the destination range;
 - output buffers: one exactly as large as the payload works, a smaller one raises
   :class:`PayloadTooSmallError`, and no byte past ``out`` is ever written;
-- ``torch.library.opcheck`` on each of the six operators.
+- ``torch.library.opcheck`` on each of the seven operators.
 """
 
 from __future__ import annotations
@@ -368,6 +368,46 @@ def test_decompress_matches_reference(fmt: str, dtype: torch.dtype, n: int, spar
 
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 @pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_decompress_patch_matches_reference(dtype: torch.dtype, n: int, sparsity: float) -> None:
+    """Patching a range that holds the prior payload's data gives the overwrite's bits, writing only
+    elements either payload marks (the prior's data keeps its -0.0s elsewhere) and nothing outside."""
+    seed = _seed()
+    gen = _generator(seed)
+    x = _sparse(n, dtype, sparsity, gen)
+    old = _with_specials(n, dtype, gen)  # -0.0 where unmarked: must survive untouched
+    payload, _ = _reference_compress("pici", x, 0, n)
+    prior, _ = _reference_compress("pici", old, 0, n)
+    for offset in (0, 5):
+        context = f"pici decompress-patch, {_name(dtype)}, n={n}, sparsity={sparsity}, offset={offset}, seed={seed}"
+        got = _guarded(old, offset)
+        want = got.clone()
+        status = formats.decompress_into("pici", payload, got, offset=offset, n=n, prior=prior, check=False)
+        reference.pici_decompress_patch(payload, prior, n, want, offset)
+        assert status is not None and int(status.item()) == 0, f"{context}: status {status}"
+        _assert_same_bits(got, want, context)
+        _assert_guards_intact(got, offset, n, context)
+        marked = (x != 0) | (old != 0)
+        _assert_same_bits(got[offset : offset + n][marked], _canonical_zeros(x)[marked], context + " (against x)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_decompress_patch_prior_past_the_end_is_reported(dtype: torch.dtype) -> None:
+    """A prior marking an element at or past n is reported and never written there."""
+    n = 4097
+    x = _sparse(n, dtype, 0.5, _generator(_seed()))
+    payload, _ = _reference_compress("pici", x, 0, n)
+    prior, _ = _reference_compress("pici", torch.zeros(n, dtype=dtype, device=DEVICE), 0, n)
+    words = prior[: 512 * 2].view(torch.int64)
+    words[64 + 1] |= 1 << 0  # tile 1, column 1, row 0: element 4096 + 1 = n
+    got = _guarded(torch.zeros(n, dtype=dtype, device=DEVICE), 0)
+    status = formats.decompress_into("pici", payload, got, n=n, prior=prior, check=False)
+    assert int(status.item()) & _PAST_END, f"status {int(status.item())}"
+    _assert_guards_intact(got, 0, n, f"{_name(dtype)} prior past the end")
+
+
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+@pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize(("dtype", "dst_dtype"), ACCUMULATE_DTYPES, ids=_name)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_decompress_accumulate_matches_reference(
@@ -679,6 +719,16 @@ def test_opcheck_decompress(fmt: str, dtype: torch.dtype) -> None:
     else:
         nnz_t = torch.tensor([nnz], dtype=torch.int64, device=DEVICE)
         _opcheck(torch.ops.spccl.coo_decompress.default, (payload, nnz_t, MEDIUM, dst, 5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_opcheck_decompress_patch(dtype: torch.dtype) -> None:
+    gen = _generator(_seed())
+    old = _sparse(MEDIUM, dtype, 0.5, gen)
+    payload, _ = _reference_compress("pici", _sparse(MEDIUM, dtype, 0.5, gen), 0, MEDIUM)
+    prior, _ = _reference_compress("pici", old, 0, MEDIUM)
+    dst = _guarded(old, 5, 3)
+    _opcheck(torch.ops.spccl.pici_decompress_patch.default, (payload, MEDIUM, prior, dst, 5))
 
 
 @pytest.mark.parametrize(("dtype", "dst_dtype"), ACCUMULATE_DTYPES, ids=_name)

@@ -8,12 +8,17 @@ owner then sums the ``world`` contributions of its chunk. There is no fill-in in
 All-gather: every rank encodes its chunk once; one ``all_gather`` of payloads padded to the
 largest (when the plan finds the padding cheap) or grouped point-to-point sends of the exact
 payloads deliver it to every rank, which decodes each chunk in place.
+
+All-reduce runs both in place. Its gather phase writes over chunks that still hold this rank's
+own contribution, which the reduce-scatter encoded; where both are Pici the decode is a patch that
+writes only the elements either payload marks (``decompress_into(prior=)``), not the whole chunk.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..formats import Format
 from ..transport import P2PTransport
 from ._wire import StatusSink, carve, decode, encode
 from .chunking import ChunkLayout
@@ -29,10 +34,11 @@ def direct_reduce_scatter(
     x: torch.Tensor,
     out: torch.Tensor | None,
     sink: StatusSink,
-) -> None:
+) -> dict[tuple[int, int], torch.Tensor]:
     """Sum chunk ``rank`` of every rank's ``x`` into ``out`` (``None``: into ``x``'s own chunk).
 
-    ``x`` is read only when ``out`` is given; ``out`` may be ``x``'s own chunk (in place).
+    ``x`` is read only when ``out`` is given; ``out`` may be ``x``'s own chunk (in place). Returns
+    the Pici payloads this rank sent, by piece ``(start, numel)``: what those pieces of ``x`` hold.
     """
     rank, p = transport.rank, transport.world
     dtype = x.dtype
@@ -46,8 +52,12 @@ def direct_reduce_scatter(
     wide = dtype != torch.float32
     sendbuf, recvbuf, wide_acc = carve(x.device, [sum(in_splits), sum(out_splits), 4 * own.numel if wide else 0])
     offset = 0
+    sent = {}
     for m in sends:  # (dst, piece) order: the all-to-all's input order
-        encode(m, x, m.start, sendbuf[offset : offset + m.nbytes])
+        slot = sendbuf[offset : offset + m.nbytes]
+        encode(m, x, m.start, slot)
+        if m.format is Format.PICI:
+            sent[(m.start, m.numel)] = slot
         offset += m.nbytes
     work = transport.all_to_all(recvbuf, sendbuf, out_splits, in_splits)
     target = x[own.start : own.stop] if out is None else out
@@ -68,6 +78,7 @@ def direct_reduce_scatter(
         offset += m.nbytes
     if wide:
         target.copy_(acc)
+    return sent
 
 
 def direct_all_gather(
@@ -78,11 +89,13 @@ def direct_all_gather(
     own: torch.Tensor,
     own_base: int,
     sink: StatusSink,
+    held: dict[tuple[int, int], torch.Tensor] | None = None,
 ) -> None:
     """Fill every chunk of ``out`` from its owner; this rank's pieces are read from ``own``.
 
     ``own`` holds piece ``m`` at ``m.start - own_base`` (the all-gather input, or ``out`` itself).
-    The own chunk of ``out`` is not written here.
+    The own chunk of ``out`` is not written here. ``held``: Pici payloads of what pieces of ``out``
+    hold now (by ``(start, numel)``), which turn Pici decodes of those pieces into patches.
     """
     rank, p = transport.rank, transport.world
     dtype = out.dtype
@@ -121,5 +134,6 @@ def direct_all_gather(
             accumulate=False,
             dtype=dtype,
             sink=sink,
+            prior=held.get((m.start, m.numel)) if held else None,
         )
         offsets[m.src] += m.nbytes

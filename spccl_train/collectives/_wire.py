@@ -53,10 +53,13 @@ def decode(
     accumulate: bool,
     dtype: torch.dtype,
     sink: StatusSink,
+    prior: torch.Tensor | None = None,
 ) -> None:
     """Decode message ``m`` from ``slot`` into ``dst[offset : offset + m.numel]``, overwriting or adding.
 
     ``dtype`` is the element type on the wire; a float32 ``dst`` may accumulate 16-bit messages.
+    ``prior``: a Pici payload of what the range holds, used when ``m`` is Pici and overwrites (a
+    patch: only elements either payload marks are written).
     """
     if m.format is Format.DENSE:
         values = slot[: m.dense_nbytes].view(dtype)
@@ -75,6 +78,7 @@ def decode(
             n=m.numel,
             accumulate=accumulate,
             dtype=dtype,
+            prior=None if accumulate else prior,
             check=False,
         )
     else:

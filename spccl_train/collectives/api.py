@@ -530,7 +530,7 @@ def _run(
         elif collective == "reduce_scatter":
             _scatter_phase(choice.algorithm, transport, plan, layout, x, y, sink, aliased)
         else:
-            _scatter_phase(choice.algorithm, transport, plan, layout, x, None, sink, False)
+            held = _scatter_phase(choice.algorithm, transport, plan, layout, x, None, sink, False)
             measured = choice.gather_counts == "measured"
             if measured:
                 reduced = exchange_reduced_counts(transport, count_nonzero_pieces(x, layout, [r], base=0), xdev)
@@ -548,7 +548,7 @@ def _run(
                 collective="all_reduce",
                 measured=measured,
             )
-            _gather_phase(choice.algorithm, transport, gather, layout, x, x, 0, sink)
+            _gather_phase(choice.algorithm, transport, gather, layout, x, x, 0, sink, held)
             plan = plan.then(gather)
         sent, dense = plan.bytes_sent(r), plan.dense_bytes(r)
     event = timer.stop()
@@ -613,11 +613,13 @@ def _scatter_phase(
     out: torch.Tensor | None,
     sink: StatusSink,
     aliased: bool,
-) -> None:
+) -> dict[tuple[int, int], torch.Tensor] | None:
+    """The reduce-scatter phase; direct returns the Pici payloads it sent (see ``direct_reduce_scatter``)."""
     if algorithm == "ring":
         ring_reduce_scatter(transport, plan.steps, layout, x, out, sink, out_aliases_x=aliased)
     elif plan.steps:
-        direct_reduce_scatter(transport, plan.steps[0], layout, x, out, sink)
+        return direct_reduce_scatter(transport, plan.steps[0], layout, x, out, sink)
+    return None
 
 
 def _gather_phase(
@@ -629,8 +631,9 @@ def _gather_phase(
     own: torch.Tensor,
     own_base: int,
     sink: StatusSink,
+    held: dict[tuple[int, int], torch.Tensor] | None = None,
 ) -> None:
     if algorithm == "ring":
         ring_all_gather(transport, plan.steps, layout, out, own, own_base, sink)
     elif plan.steps:
-        direct_all_gather(transport, plan.steps[0], layout, out, own, own_base, sink)
+        direct_all_gather(transport, plan.steps[0], layout, out, own, own_base, sink, held)

@@ -165,6 +165,7 @@ def decompress_into(
     nnz: int | torch.Tensor | None = None,
     accumulate: bool = False,
     dtype: torch.dtype | None = None,
+    prior: torch.Tensor | None = None,
     check: bool = True,
 ) -> torch.Tensor | None:
     """Decode ``payload`` into ``dst.view(-1)[offset:offset+n]``, overwriting or accumulating.
@@ -179,6 +180,11 @@ def decompress_into(
         accumulate: ``dst += decoded`` instead of overwriting (zeros included).
         dtype: the payload's element type; default ``dst.dtype``. A float32 ``dst`` may
             accumulate bfloat16 / float16 payloads (fp32 sums, no intermediate rounding).
+        prior: Pici overwrite only: a Pici payload (uint8, on ``dst``'s device) of what the range
+            holds now. Only the elements either payload marks are written (the payload's values, and
+            zeros where only ``prior`` marks), which at high sparsity moves far fewer bytes than
+            writing the whole range; the result is that of an overwrite. The in-place all-reduce
+            uses it: the range still holds this rank's contribution, which it encoded earlier.
         check: raise :class:`CorruptPayloadError` on a corrupt payload. On CUDA this reads the
             kernel's status (a synchronisation); with ``check=False`` the status tensor is
             returned instead, for the caller to check later (:func:`raise_for_status`). A
@@ -204,10 +210,18 @@ def decompress_into(
     n = _range("dst", dst, offset, n)
     if payload.device != dst.device:
         raise ValueError(f"payload is on {payload.device} but dst is on {dst.device}; put both on one device")
+    if prior is not None:
+        if fmt is not Format.PICI or accumulate:
+            raise ValueError("prior= serves overwriting Pici decodes only; drop it or use fmt='pici', accumulate=False")
+        prior = _byte_buffer("prior", prior)
+        if prior.device != dst.device:
+            raise ValueError(f"prior is on {prior.device} but dst is on {dst.device}; put both on one device")
     if fmt is Format.COO and nnz is None:
         raise ValueError("COO payloads do not record nnz: pass nnz= (from compress_into or coo_nnz_from_bytes)")
     if not uses_kernels(dst):
-        if fmt is Format.PICI:
+        if prior is not None:
+            reference.pici_decompress_patch(payload, prior, n, dst, offset)
+        elif fmt is Format.PICI:
             reference.pici_decompress(payload, n, dst, offset, accumulate=accumulate, dtype=dtype)
         else:
             reference.coo_decompress(payload, int(nnz), n, dst, offset, accumulate=accumulate, dtype=dtype)
@@ -224,6 +238,10 @@ def decompress_into(
             )
         if accumulate:
             status = torch.ops.spccl.pici_decompress_accumulate(payload, n, dtype, dst, offset)
+        elif prior is not None:
+            if prior.data_ptr() % 16:
+                prior = prior.clone()
+            status = torch.ops.spccl.pici_decompress_patch(payload, n, prior, dst, offset)
         else:
             status = torch.ops.spccl.pici_decompress(payload, n, dst, offset)
     else:

@@ -20,6 +20,7 @@ __all__ = [
     "PayloadTooSmallError",
     "pici_compress",
     "pici_decompress",
+    "pici_decompress_patch",
     "coo_compress",
     "coo_decompress",
 ]
@@ -167,6 +168,25 @@ def pici_decompress(
         _accumulate(target, where, dense[where])
     else:
         target.copy_(dense)
+
+
+def pici_decompress_patch(payload: torch.Tensor, prior: torch.Tensor, n: int, dst: torch.Tensor, offset: int) -> None:
+    """Decode a Pici payload into ``dst[offset:offset+n]``, which holds what the Pici payload ``prior`` encodes.
+
+    Writes only the elements either payload marks: the payload's values where it marks them, and
+    zeros where only ``prior`` does. The range then equals an overwriting decode (a signed zero left
+    unmarked by both keeps its sign). Both payloads are validated first.
+    """
+    by_column, values = _pici_parse(payload, n, dst.dtype)
+    before, _ = _pici_parse(prior, n, dst.dtype)
+    tiles = by_column.shape[0]
+    dense = torch.zeros(tiles, TILE_ROWS, TILE_ROWS, dtype=dst.dtype, device=payload.device)
+    dense.masked_scatter_(by_column, values)  # bits, as in pici_decompress
+    where = by_column.transpose(1, 2).reshape(-1)[:n].to(dst.device)
+    gone = before.transpose(1, 2).reshape(-1)[:n].to(dst.device) & ~where
+    target = dst[offset : offset + n]
+    target.masked_fill_(gone, 0)
+    target.masked_scatter_(where, dense.transpose(1, 2).reshape(-1)[:n].to(dst.device)[where])
 
 
 def coo_compress(src: torch.Tensor, offset: int, n: int, out: torch.Tensor) -> torch.Tensor:
