@@ -616,19 +616,19 @@ def test_nan_inf_subnormal_travel(pools):
 
 def _job_cancellations(rank, world, seed):
     """Sums that cancel to exactly zero where this rank holds a nonzero: the in-place all-reduce's
-    gather phase, which writes only what changed (a Pici patch), must clear them."""
+    gather phase, which at this density writes only what changed (a Pici patch), must clear them."""
     out = []
     for dtype in (torch.float32, torch.bfloat16):
         n = 3 * TILE + 77
         g = torch.Generator().manual_seed(_seed("cancel", seed, str(dtype)))
         v = torch.randn(n, generator=g).to(dtype)
         v[v == 0] = 1
-        support = torch.rand(n, generator=g) < 0.05
+        support = torch.rand(n, generator=g) < 0.008  # the gathered bound stays under PATCH_MAX_DENSITY
         cancel = support & (torch.rand(n, generator=g) < 0.5)
         xs = torch.zeros(world, n, dtype=dtype)
         xs[0] = torch.where(support, v, torch.zeros((), dtype=dtype))
         xs[1] = torch.where(cancel, -v, torch.zeros((), dtype=dtype))
-        xs[2:] = torch.where(torch.rand(world - 2, n, generator=g) < 0.01, v, torch.zeros((), dtype=dtype))
+        xs[2:] = torch.where(torch.rand(world - 2, n, generator=g) < 0.003, v, torch.zeros((), dtype=dtype))
         zero = cancel & (xs[2:] == 0).all(0)
         t = xs[rank].clone()
         spccl_train.all_reduce(t, config=CollectiveConfig(format="pici", algorithm="direct"))
