@@ -2,9 +2,9 @@
 
 Run on the GPU machine::
 
-    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=4 bench/bench_bounds.py [--sizes 1G 256M 64M]
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=4 bench/bench_bounds.py [--sizes 1G 256M 64M] [--sparsity 99]
 
-fp32, 99% i.i.d. sparsity (a distinct seed per rank); the bounds are 1.2x each piece's expected
+fp32, i.i.d. sparsity (99% unless --sparsity says otherwise; a distinct seed per rank); the bounds are 1.2x each piece's expected
 share of nonzeros. One buffer per variant, as a DDP bucket is: every timed iteration refills it
 from the source tensor (a device copy) and reduces it, and the time of the refill loop alone is
 subtracted, so a CUDA graph (which replays on fixed addresses) and the eager calls are timed
@@ -35,7 +35,6 @@ from spccl_train.collectives import CollectiveConfig, clear_graphs, last_stats
 from spccl_train.collectives.chunking import ChunkLayout
 
 ITERATIONS = 20
-DENSITY = 0.01
 SLACK = 1.2
 CONFIGS = {
     "auto": CollectiveConfig(),
@@ -74,8 +73,12 @@ def _host_ms(fn, device: torch.device, iterations: int = 10) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", nargs="+", type=parse_size, default=[1 << 30, 1 << 28, 1 << 26])
+    parser.add_argument("--sparsity", type=float, default=99.0, help="percent of zeros in each rank's input")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
     args = parser.parse_args()
+    if not 0.0 < args.sparsity < 100.0:
+        parser.error(f"--sparsity {args.sparsity}: must lie strictly between 0 and 100")
+    density = 1.0 - args.sparsity / 100.0
     dist.init_process_group("nccl")
     r, p = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(r)
@@ -85,10 +88,10 @@ def main() -> None:
         numel = nbytes // 4
         g = torch.Generator(device=dev).manual_seed(r + 1)
         src = torch.randn(numel, device=dev, generator=g)
-        src[torch.rand(numel, device=dev, generator=g) >= DENSITY] = 0
+        src[torch.rand(numel, device=dev, generator=g) >= density] = 0
         buf = src.clone()
         layout = ChunkLayout.aligned(numel, p, 1)
-        bounds = [[int(pc.numel * DENSITY * SLACK) for chunk in layout.pieces for pc in chunk]] * p
+        bounds = [[int(pc.numel * density * SLACK) for chunk in layout.pieces for pc in chunk]] * p
         ref = src.clone()
         dist.all_reduce(ref)
 
@@ -135,7 +138,8 @@ def main() -> None:
         for nbytes, name, plan, ms, host_ms in rows:
             print(f"{size_label(nbytes):>8}  {name:24s} {plan:12s} {ms:8.3f} {base[nbytes] / ms:7.2f} {host_ms:8.3f}")
         args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"collectives_bounds_{slug(device)}x{p}_{now:%Y-%m-%d}.csv"
+        tag = "" if args.sparsity == 99.0 else f"_sp{args.sparsity:g}"
+        path = args.out / f"collectives_bounds_{slug(device)}x{p}_{now:%Y-%m-%d}{tag}.csv"
         with path.open("w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(
@@ -146,6 +150,7 @@ def main() -> None:
                     "commit",
                     "torch",
                     "bytes",
+                    "sparsity",
                     "variant",
                     "plan",
                     "ms",
@@ -162,6 +167,7 @@ def main() -> None:
                         git_commit(),
                         torch.__version__,
                         nbytes,
+                        args.sparsity,
                         name,
                         plan,
                         f"{ms:.4f}",

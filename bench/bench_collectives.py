@@ -60,7 +60,8 @@ sparsity 0-99.9 %, every method)::
         torchrun --standalone --nproc-per-node=4 bench/bench_collectives.py --out-dir "$OUT"
 
 Add ``--patterns all`` for the structured patterns, ``--channels 1,2,4`` and
-``--thresholds-sweep`` for the sweeps. Here, to check the script (CPU, gloo, tiny sizes)::
+``--thresholds-sweep`` for the sweeps, ``--cuda-graphs`` to time the spccl methods replayed from
+CUDA graphs (``CollectiveConfig.cuda_graphs``: one count exchange per call, then a replay). Here, to check the script (CPU, gloo, tiny sizes)::
 
     torchrun --standalone --nproc-per-node=2 bench/bench_collectives.py --smoke --out-dir /tmp/x
 
@@ -160,6 +161,7 @@ class _Settings:
     out_dir: pathlib.Path
     plot: bool
     smoke: bool
+    graphs: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -377,6 +379,12 @@ def _settings(argv: list[str] | None) -> _Settings:
     )
     parser.add_argument("--no-plot", action="store_true", help="write no heatmaps")
     parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="run the spccl methods with CollectiveConfig(cuda_graphs=True): on GPUs a call replays a CUDA graph "
+        "from its third run on (output names end in _graphs)",
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="check the script on the CPU (gloo): tiny sizes, few iterations"
     )
     args = parser.parse_args(argv)
@@ -411,6 +419,7 @@ def _settings(argv: list[str] | None) -> _Settings:
         out_dir=args.out_dir,
         plot=not args.no_plot,
         smoke=smoke,
+        graphs=args.cuda_graphs,
     )
 
 
@@ -439,6 +448,7 @@ def _methods(settings: _Settings) -> list[_Method]:
                     thresholds=thresholds,
                     ranks_per_node=settings.ranks_per_node,
                     channels=channels,
+                    cuda_graphs=settings.graphs,
                 )
                 out.append(_Method(name, fmt, algorithm, channels, scale, config))
     return out
@@ -1150,6 +1160,8 @@ def _main(settings: _Settings, env: _Env) -> int:
         "backend": env.backend,
     }
     stem = settings.out_dir / f"collectives_{benchlib.slug(device_name)}x{env.world}_{now.date().isoformat()}"
+    if settings.graphs:
+        stem = stem.with_name(stem.name + "_graphs")
     methods = _methods(settings)
     cases = [
         (dtype, pattern, coll, size, sparsity)

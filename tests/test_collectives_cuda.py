@@ -208,3 +208,70 @@ def test_bounded_calls_replay_cuda_graphs(tmp_path, monkeypatch):
     torch.multiprocessing.spawn(_rank_graphs, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world)
     for rank in range(world):
         assert (tmp_path / f"rank{rank}.txt").read_text() == "", (tmp_path / f"rank{rank}.txt").read_text()
+
+
+def _rank_graphs_exchanged(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    from spccl_train.collectives import clear_graphs
+
+    dev = _init_rank(rank, world, init_file)
+    failures = []
+    cases = itertools.product(
+        ["all_reduce", "reduce_scatter", "all_gather"], ["pici", "auto"], [torch.float32, torch.bfloat16]
+    )
+    for collective, fmt, dtype in cases:
+        what = f"{collective} {fmt} {dtype}"
+        n = world * (3 * 4096 + 77)
+        cfg = CollectiveConfig(format=fmt, algorithm="direct", channels=2, cuda_graphs=True)
+        mine = torch.empty(n, device=dev, dtype=dtype)
+        out_numel = {"all_reduce": n, "reduce_scatter": n // world, "all_gather": world * n}[collective]
+        out = mine if collective == "all_reduce" else torch.empty(out_numel, device=dev, dtype=dtype)
+        g = torch.Generator(device=dev).manual_seed(11)
+        modes = []
+        for it, density in enumerate([0.02] * 5 + [0.2, 0.02]):  # a denser call outgrows the bounds
+            xs = torch.randn(world, n, device=dev, generator=g)
+            xs = (xs * (torch.rand(world, n, device=dev, generator=g) < density)).to(dtype)  # a new support each call
+            mine.copy_(xs[rank])
+            kwargs = {"config": cfg, "graph_tag": what}
+            if collective == "all_reduce":
+                spccl_train.all_reduce(mine, **kwargs)
+            elif collective == "reduce_scatter":
+                spccl_train.reduce_scatter_tensor(out, mine, **kwargs)
+            else:
+                spccl_train.all_gather_into_tensor(out, mine, **kwargs)
+            stats = last_stats()
+            modes.append(stats.graph)
+            ref = xs.double().sum(0)
+            tol = 2 * world * EPS[dtype] * xs.double().abs().sum(0)
+            if collective == "all_reduce":
+                ok = bool(((out.double() - ref).abs() <= tol).all())
+            elif collective == "reduce_scatter":
+                part = slice(rank * (n // world), (rank + 1) * (n // world))
+                ok = bool(((out.double() - ref[part]).abs() <= tol[part]).all())
+            else:
+                ok = torch.equal(out, xs.reshape(-1))
+            if not ok or int(stats.decode_status) or stats.exchanges != 1:
+                failures.append(
+                    f"{what} call {it}: ok={ok} status={int(stats.decode_status)} exchanges={stats.exchanges}"
+                )
+        if stats.algorithm != "native" and modes[:5] != ["", "captured", "replayed", "replayed", "replayed"]:
+            failures.append(f"{what}: graph modes {modes}")
+        if modes[5] != "" and stats.algorithm != "native":
+            failures.append(f"{what}: the call that outgrew the bounds ran as {modes[5]!r}, not eagerly")
+    clear_graphs()
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join(failures))
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_graphed_calls_without_bounds_plan_from_exchanged_counts(tmp_path, monkeypatch):
+    """cuda_graphs without bounds: one count exchange per call, bounds derived from it and kept while
+    the counts fit, so calls on fresh supports replay; a call that outgrows them runs eagerly."""
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    world = min(4, torch.cuda.device_count())
+    torch.multiprocessing.spawn(
+        _rank_graphs_exchanged, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world
+    )
+    for rank in range(world):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "", (tmp_path / f"rank{rank}.txt").read_text()

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import threading
 import weakref
 from collections.abc import Hashable, Sequence
@@ -41,7 +42,7 @@ from .exchange import (
     exchange_counts,
     exchange_reduced_counts,
 )
-from .graphs import graph_key, run_graphed
+from .graphs import graph_key, remember_bounds, remembered_bounds, run_graphed
 from .plan import Plan, bound_reduced_counts, plan_all_gather
 from .topology import Topology
 
@@ -316,28 +317,29 @@ def _call(
     if planning_stream is not None and not input.is_cuda:
         planning_stream = None  # CPU work is ordered by the host
     with torch.no_grad():
-        if _graphable(config, bounds, input, output, transport):
+        graphed = _graphable(config, input, output, transport)
+        exchanged = (
+            graphed and bounds is None and not (collective == "all_reduce" and config.gather_counts == "measured")
+        )
+        if exchanged:  # plan from the exchanged counts, rounded up so that calls repeat and replay
+            bounds = _measured_bounds(collective, transport, config, input, output, planner, planning_stream, graph_tag)
+        if graphed and bounds is not None:
             key = graph_key(collective, transport, input, output, config.fingerprint(), bounds, graph_tag)
             stats, event = run_graphed(
                 key, input, output, lambda: _run(collective, transport, config, input, output, planner, None, bounds)
             )
+            if exchanged:
+                stats.exchanges = 1
         else:
             stats, event = _run(collective, transport, config, input, output, planner, planning_stream, bounds)
     _local.stats = stats
     return CollectiveWork([output], stats, event) if async_op else None
 
 
-def _graphable(
-    config: CollectiveConfig,
-    bounds: object,
-    inp: torch.Tensor,
-    out: torch.Tensor,
-    transport: P2PTransport,
-) -> bool:
+def _graphable(config: CollectiveConfig, inp: torch.Tensor, out: torch.Tensor, transport: P2PTransport) -> bool:
     """A call ``cuda_graphs`` applies to; others (and bad arguments, which the eager path reports) run eagerly."""
     return (
         config.cuda_graphs
-        and bounds is not None
         and inp.is_cuda
         and out.device == inp.device
         and inp.is_contiguous()
@@ -442,23 +444,7 @@ def _run(
     p, r = transport.world, transport.rank
     timer = Span(inp.device)
     fingerprint = config.fingerprint()
-    problems, aliased = _local_problems(collective, inp, out, transport)
-    layout = None
-    if not problems:
-        layout = _layout(collective, inp, out, p, config.channels)
-        if max((piece.numel for chunk in layout.pieces for piece in chunk), default=0) > MAX_ELEMENTS:
-            problems |= Problem.TOO_LARGE
-    request = Request(
-        collective=collective,
-        numel=inp.numel(),
-        out_numel=out.numel(),
-        dtype=inp.dtype,
-        out_dtype=out.dtype,
-        device=inp.device,
-        config=config_code(fingerprint),
-        problems=problems,
-        channels=config.channels,
-    )
+    request, problems, aliased, layout = _request(collective, transport, config, fingerprint, inp, out)
     if p == 1:
         check_table([request.header()], collective, 1, transport.backend)
         if collective != "all_reduce" and not aliased:
@@ -492,21 +478,12 @@ def _run(
         if config.gather_counts == "auto":  # nothing to measure: the gather phase is sized from the bounds
             config, fingerprint = _bounded_config(config, fingerprint)
     else:
-        counts = None
-        with torch.cuda.stream(planning_stream) if planning_stream is not None else contextlib.nullcontext():
-            if not problems:
-                if collective == "all_gather":
-                    counts = count_nonzero_pieces(x, layout, [r], base=layout.chunks[r].start)
-                else:
-                    counts = count_nonzero_pieces(x, layout)
-            table, xdev = exchange_counts(planner, request, counts, p * config.channels)
-        if planning_stream is not None:  # what the planning stream waited for, the transfers wait for too
-            torch.cuda.current_stream(inp.device).wait_stream(planning_stream)
+        table, xdev = _exchange(collective, request, layout, x, r, p * config.channels, planner, planning_stream)
     # From here on every rank holds the same valid table and computes the same decisions.
     topology = Topology(p, config.ranks_per_node)
     model = config.cost_model or _default_model(inp.device)
     key = fingerprint if config.cost_model is not None else f"{fingerprint}|{inp.device.type}"
-    if _graphable(config, bounds, inp, out, transport):  # replayed: no host cost per launch
+    if bounds is not None and _graphable(config, inp, out, transport):  # replayed: no host cost per launch
         model, key = model.replayed(), f"{key}|replayed"
     choice, weighed = decide(
         collective, config, key, table, layout, inp.dtype, topology, model, 0 if bounds is not None else 1
@@ -578,6 +555,102 @@ def _run(
             plan.describe() if plan else "native",
         )
     return stats, event
+
+
+def _request(
+    collective: str,
+    transport: P2PTransport,
+    config: CollectiveConfig,
+    fingerprint: str,
+    inp: torch.Tensor,
+    out: torch.Tensor,
+) -> tuple[Request, Problem, bool, ChunkLayout | None]:
+    """This rank's call as the planning exchange describes it, its problems, whether it is an
+    in-place form, and its chunk layout (``None`` when it has problems)."""
+    problems, aliased = _local_problems(collective, inp, out, transport)
+    layout = None
+    if not problems:
+        layout = _layout(collective, inp, out, transport.world, config.channels)
+        if max((piece.numel for chunk in layout.pieces for piece in chunk), default=0) > MAX_ELEMENTS:
+            problems |= Problem.TOO_LARGE
+    request = Request(
+        collective=collective,
+        numel=inp.numel(),
+        out_numel=out.numel(),
+        dtype=inp.dtype,
+        out_dtype=out.dtype,
+        device=inp.device,
+        config=config_code(fingerprint),
+        problems=problems,
+        channels=config.channels,
+    )
+    return request, problems, aliased, layout
+
+
+def _exchange(
+    collective: str,
+    request: Request,
+    layout: ChunkLayout | None,
+    x: torch.Tensor,
+    r: int,
+    width: int,
+    planner: P2PTransport,
+    planning_stream: torch.cuda.Stream | None,
+) -> tuple[list[list[int]], torch.device]:
+    """Count this rank's pieces and exchange the counts (the call's host synchronisation)."""
+    counts = None
+    with torch.cuda.stream(planning_stream) if planning_stream is not None else contextlib.nullcontext():
+        if layout is not None and not request.problems:
+            if collective == "all_gather":
+                counts = count_nonzero_pieces(x, layout, [r], base=layout.chunks[r].start)
+            else:
+                counts = count_nonzero_pieces(x, layout)
+        table, xdev = exchange_counts(planner, request, counts, width)
+    if planning_stream is not None:  # what the planning stream waited for, the transfers wait for too
+        torch.cuda.current_stream(x.device).wait_stream(planning_stream)
+    return table, xdev
+
+
+BOUND_HEADROOM = 1.125
+"""``cuda_graphs`` calls without ``bounds``: each piece's bound is its exchanged count times this
+(plus 16), so that the next calls' counts, which vary a little, still fit and replay the graph."""
+
+
+def _measured_bounds(
+    collective: str,
+    transport: P2PTransport,
+    config: CollectiveConfig,
+    inp: torch.Tensor,
+    out: torch.Tensor,
+    planner: P2PTransport,
+    planning_stream: torch.cuda.Stream | None,
+    tag: Hashable,
+) -> list[list[int]]:
+    """Bounds for a graphed call from its exchanged counts: the previous bounds of this call (same
+    collective, group, tag, sizes, dtype and config) while every count fits and none is loose
+    (over twice its count plus 64), else new ones ``BOUND_HEADROOM`` above the counts. Every rank
+    exchanged the same table and made the same calls, so all derive the same bounds and graph key."""
+    fingerprint = config.fingerprint()
+    request, problems, _, layout = _request(collective, transport, config, fingerprint, inp, out)
+    x = inp.view(-1) if not problems else inp
+    table, _ = _exchange(
+        collective, request, layout, x, transport.rank, transport.world * config.channels, planner, planning_stream
+    )
+    assert layout is not None  # the exchange raised on every rank otherwise
+    sizes = [piece.numel for chunk in layout.pieces for piece in chunk]
+    limits = [
+        [piece.numel for piece in layout.pieces[q]] if collective == "all_gather" else sizes for q in range(len(table))
+    ]
+    name = (collective, transport, tag, inp.numel(), out.numel(), inp.dtype, fingerprint)
+    last = remembered_bounds(name)
+    if last is not None and all(c <= b <= 2 * c + 64 for row, bound in zip(table, last) for c, b in zip(row, bound)):
+        return last
+    bounds = [
+        [min(n, math.ceil(c * BOUND_HEADROOM) + 16) for c, n in zip(row, lim)] + [0] * (len(row) - len(lim))
+        for row, lim in zip(table, limits)
+    ]
+    remember_bounds(name, bounds)
+    return bounds
 
 
 _bounded_configs: dict[str, tuple[CollectiveConfig, str]] = {}

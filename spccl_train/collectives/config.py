@@ -119,10 +119,13 @@ class CollectiveConfig:
     compression of piece k+1 overlaps the transfer of piece k; more pieces also make the
     per-message format decisions finer. Must be equal on every rank: it sizes the count exchange."""
     cuda_graphs: bool = False
-    """CUDA only, calls with ``bounds=`` only (they make no host synchronisation): run the second
-    call of a kind (same sizes, dtype, group, config, bounds and ``graph_tag``) as a captured CUDA
-    graph and replay it from then on (:mod:`.graphs`), so a call costs ~0.1 ms of host time
-    instead of the eager path's ~1.3 ms of Python. A replayed call must pass the tensors and
+    """CUDA only: run the second call of a kind (same sizes, dtype, group, config, bounds and
+    ``graph_tag``) as a captured CUDA graph and replay it from then on (:mod:`.graphs`), so a call
+    costs ~0.1 ms of host time instead of the eager path's ~1.3 ms of Python. Calls with
+    ``bounds=`` make no host synchronisation at all. Calls without them still exchange counts (one
+    synchronisation), then plan from bounds derived from the counts (``BOUND_HEADROOM`` above them,
+    kept while later counts fit), so that calls of similar sparsity replay one graph; an all-reduce
+    with ``gather_counts="measured"`` runs eagerly. A replayed call must pass the tensors and
     stream it was captured with (else it raises): give calls on different tensors different
     ``graph_tag`` values. Each cached graph keeps its scratch memory; call
     :func:`~.graphs.clear_graphs` on every rank before ``destroy_process_group``. Other calls

@@ -77,6 +77,7 @@ _lock = threading.Lock()
 _graphs: dict[tuple, _Entry] = {}
 _named: dict[tuple, tuple] = {}  # (collective, group, tag) -> the key of its cached graph
 _seen: set[tuple] = set()
+_bounds: dict[tuple, list[list[int]]] = {}  # bounds derived for graphed calls made without bounds=
 _threads = threading.local()  # each thread captures on a side stream of its own
 
 
@@ -100,6 +101,20 @@ def graph_key(
     else:
         table = tuple(tuple(int(b) for b in row) for row in rows)
     return (collective, group_key, tag, inp.numel(), out.numel(), inp.dtype, fingerprint, table)
+
+
+def remembered_bounds(name: tuple) -> list[list[int]] | None:
+    """The bounds last kept under ``name`` by :func:`remember_bounds` (until :func:`clear_graphs`)."""
+    return _bounds.get(name)
+
+
+def remember_bounds(name: tuple, bounds: list[list[int]]) -> None:
+    """Keep the bounds a graphed call without ``bounds=`` derived from its counts, so that its next
+    calls can reuse them (and their graph). ``name`` must be rank-uniform, as graph keys are."""
+    with _lock:
+        if len(_bounds) >= _MAX_SEEN:
+            _bounds.clear()
+        _bounds[name] = bounds
 
 
 def _local(inp: torch.Tensor, out: torch.Tensor) -> _Local:
@@ -234,6 +249,7 @@ def clear_graphs(synchronize: bool = True) -> None:
         _graphs.clear()
         _named.clear()
         _seen.clear()
+        _bounds.clear()
     finally:
         _lock.release()
 
