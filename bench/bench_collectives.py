@@ -107,7 +107,14 @@ import benchlib  # noqa: E402 (a sibling module: the script's folder is on sys.p
 import spccl_train
 from spccl_train._ext import KernelsUnavailableError, load_kernels
 from spccl_train._provenance import git_commit
-from spccl_train.collectives import DEFAULT_THRESHOLDS, CollectiveConfig, CollectiveStats, Thresholds, last_stats
+from spccl_train.collectives import (
+    DEFAULT_THRESHOLDS,
+    CollectiveConfig,
+    CollectiveStats,
+    Thresholds,
+    clearing_graphs,
+    last_stats,
+)
 from spccl_train.formats import Format
 
 __all__ = ["main"]
@@ -1141,7 +1148,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         elif not settings.smoke and lead:
             print("no GPU: running on the CPU with gloo and the reference codecs", flush=True)
-        return _main(settings, env)
+        with clearing_graphs():  # a cached graph holding NCCL work would make destroy wait forever
+            return _main(settings, env)
     finally:
         dist.destroy_process_group()
 

@@ -611,9 +611,10 @@ def _exchange(
     return table, xdev
 
 
-BOUND_HEADROOM = 1.125
-"""``cuda_graphs`` calls without ``bounds``: each piece's bound is its exchanged count times this
-(plus 16), so that the next calls' counts, which vary a little, still fit and replay the graph."""
+BOUND_HEADROOM = 1.0625
+"""``cuda_graphs`` calls without ``bounds``: each piece's bound is its exchanged count ``c`` times
+this, plus ``4 sqrt(c) + 16`` (four standard deviations of a count of independent nonzeros), so
+that the next calls' counts, which vary, still fit and replay the graph."""
 
 
 def _measured_bounds(
@@ -628,7 +629,7 @@ def _measured_bounds(
 ) -> list[list[int]]:
     """Bounds for a graphed call from its exchanged counts: the previous bounds of this call (same
     collective, group, tag, sizes, dtype and config) while every count fits and none is loose
-    (over twice its count plus 64), else new ones ``BOUND_HEADROOM`` above the counts. Every rank
+    (over twice its count plus 64), else new ones above the counts (``BOUND_HEADROOM``). Every rank
     exchanged the same table and made the same calls, so all derive the same bounds and graph key."""
     fingerprint = config.fingerprint()
     request, problems, _, layout = _request(collective, transport, config, fingerprint, inp, out)
@@ -646,7 +647,7 @@ def _measured_bounds(
     if last is not None and all(c <= b <= 2 * c + 64 for row, bound in zip(table, last) for c, b in zip(row, bound)):
         return last
     bounds = [
-        [min(n, math.ceil(c * BOUND_HEADROOM) + 16) for c, n in zip(row, lim)] + [0] * (len(row) - len(lim))
+        [min(n, math.ceil(c * BOUND_HEADROOM + 4 * math.sqrt(c)) + 16) for c, n in zip(row, lim)] + [0] * (len(row) - len(lim))
         for row, lim in zip(table, limits)
     ]
     remember_bounds(name, bounds)
