@@ -2,7 +2,7 @@
 
 Run on the GPU machine::
 
-    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=4 bench/bench_bounds.py [--sizes 1G 256M 64M] [--sparsity 99]
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=4 bench/bench_bounds.py [--sizes 1G 256M 64M] [--sparsity 99] [--channels 1]
 
 fp32, i.i.d. sparsity (99% unless --sparsity says otherwise; a distinct seed per rank); the bounds are 1.2x each piece's expected
 share of nonzeros. One buffer per variant, as a DDP bucket is: every timed iteration refills it
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import datetime
 import pathlib
 import time
@@ -36,11 +37,7 @@ from spccl_train.collectives.chunking import ChunkLayout
 
 ITERATIONS = 20
 SLACK = 1.2
-CONFIGS = {
-    "auto": CollectiveConfig(),
-    "pici/direct": CollectiveConfig(format="pici", algorithm="direct"),
-    "coo/direct": CollectiveConfig(format="coo", algorithm="direct"),
-}
+METHODS = {"auto": ("auto", "auto"), "pici/direct": ("pici", "direct"), "coo/direct": ("coo", "direct")}
 
 
 def _max_over_ranks(value: float, device: torch.device) -> float:
@@ -74,6 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", nargs="+", type=parse_size, default=[1 << 30, 1 << 28, 1 << 26])
     parser.add_argument("--sparsity", type=float, default=99.0, help="percent of zeros in each rank's input")
+    parser.add_argument("--channels", type=int, default=1, help="pieces per chunk (CollectiveConfig.channels)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
     args = parser.parse_args()
     if not 0.0 < args.sparsity < 100.0:
@@ -90,7 +88,7 @@ def main() -> None:
         src = torch.randn(numel, device=dev, generator=g)
         src[torch.rand(numel, device=dev, generator=g) >= density] = 0
         buf = src.clone()
-        layout = ChunkLayout.aligned(numel, p, 1)
+        layout = ChunkLayout.of("all_reduce", numel, p, args.channels)
         bounds = [[int(pc.numel * density * SLACK) for chunk in layout.pieces for pc in chunk]] * p
         ref = src.clone()
         dist.all_reduce(ref)
@@ -102,8 +100,9 @@ def main() -> None:
         variants = [("nccl", lambda: dist.all_reduce(buf), False)]
         graph = torch.cuda.CUDAGraph()
         variants.append(("nccl+graph", graph.replay, False))
-        for name, cfg in CONFIGS.items():
-            graphed = CollectiveConfig(**{**{f: getattr(cfg, f) for f in ("format", "algorithm")}, "cuda_graphs": True})
+        for name, (fmt, algorithm) in METHODS.items():
+            cfg = CollectiveConfig(format=fmt, algorithm=algorithm, channels=args.channels)
+            graphed = dataclasses.replace(cfg, cuda_graphs=True)
             variants += [
                 (f"{name}+exchange", lambda cfg=cfg: spccl_train.all_reduce(buf, config=cfg), False),
                 (f"{name}+bounds", lambda cfg=cfg: spccl_train.all_reduce(buf, config=cfg, bounds=bounds), True),
@@ -121,7 +120,7 @@ def main() -> None:
             torch.cuda.synchronize()
             if not torch.allclose(buf, ref, rtol=1e-5, atol=1e-5):
                 raise AssertionError(f"{name}: result differs from NCCL's after the warm-up")
-            stats = last_stats() if name.startswith(tuple(CONFIGS)) else None
+            stats = last_stats() if name.startswith(tuple(METHODS)) else None
             ms = _loop_ms(lambda: (refill(), call()), dev) - refill_ms
             if not torch.allclose(buf, ref, rtol=1e-5, atol=1e-5):
                 raise AssertionError(f"{name}: result differs from NCCL's after the timed loop")
@@ -138,7 +137,9 @@ def main() -> None:
         for nbytes, name, plan, ms, host_ms in rows:
             print(f"{size_label(nbytes):>8}  {name:24s} {plan:12s} {ms:8.3f} {base[nbytes] / ms:7.2f} {host_ms:8.3f}")
         args.out.mkdir(parents=True, exist_ok=True)
-        tag = "" if args.sparsity == 99.0 else f"_sp{args.sparsity:g}"
+        tag = ("" if args.sparsity == 99.0 else f"_sp{args.sparsity:g}") + (
+            "" if args.channels == 1 else f"_ch{args.channels}"
+        )
         path = args.out / f"collectives_bounds_{slug(device)}x{p}_{now:%Y-%m-%d}{tag}.csv"
         with path.open("w", newline="") as f:
             writer = csv.writer(f)
@@ -151,6 +152,7 @@ def main() -> None:
                     "torch",
                     "bytes",
                     "sparsity",
+                    "channels",
                     "variant",
                     "plan",
                     "ms",
@@ -168,6 +170,7 @@ def main() -> None:
                         torch.__version__,
                         nbytes,
                         args.sparsity,
+                        args.channels,
                         name,
                         plan,
                         f"{ms:.4f}",

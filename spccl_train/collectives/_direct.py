@@ -30,8 +30,9 @@ __all__ = ["direct_reduce_scatter", "direct_all_gather"]
 PATCH_MAX_DENSITY = 0.02
 """Most nonzeros per 4 bytes of a piece (its bound) for which a gather decode patches. Scattered
 writes cost HBM a read and a write per touched sector, so a patch beats writing the whole piece only
-at low density: on H200, 256 MiB fp32, patch / overwrite time was 0.65 at 0.1% density, 0.81 at
-1%, 0.90 at 2%, 1.0 at 3% and 1.11 at 4% (``bench/results/NOTES.md``)."""
+at low density: on H200, 256 MiB fp32, patch / overwrite time was 0.65 at 0.1% density, 0.82 at
+1%, 0.90 at 2%, 0.99 at 3% and 1.10 at 4% (``bench/bench_patch.py``,
+``bench/results/patch_nvidia-h200_2026-11-22.csv``)."""
 
 
 def direct_reduce_scatter(
