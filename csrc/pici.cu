@@ -150,120 +150,169 @@ enum Mode : int {
                     // those only the prior marks
 };
 
-// Decompression: one block per tile. Every warp reads the tile's 64 words and index step (L1
-// broadcasts; the next tile's are prefetched into registers), and each warp writes 8 rows: lane l owns
-// columns 2l and 2l+1, holds their words and offsets in registers, and stores each row as one
-// coalesced pair per lane, gathering values at colprefix + popcount(word below the row).
-// Accumulation first stages the tile's run of A in shared memory (gathers there cost a few
-// bank conflicts where L1 replays per line; measured +10-15 points) and then reads, adds and
-// writes only the marked elements of dst; overwrite gathers straight from A through L1, which
-// measured faster than staging's two barriers, and writes every element. Patch gathers like
-// overwrite but, like accumulation, touches only the elements either payload marks.
-template <typename V, typename D, int kMode>
-__global__ void __launch_bounds__(kThreads, kMode == kAccumulate ? 4 : 6) pici_decompress_kernel(
+// The checks of one tile every decoder makes (warp-wide, lane l holding columns 2l, 2l+1): the
+// words `w` (and a prior's `pw`) mark nothing at or past n, the index steps up by the tile's
+// popcount, and stays within nnz. Returns the status bits (0: good); `inclusive` and `total`
+// get the lane's inclusive column-pair prefix and the tile's count.
+__device__ __forceinline__ int check_tile(ulonglong2 w, ulonglong2 pw, uint32_t lo, uint32_t hi, int64_t nnz,
+                                          int64_t tile, int64_t n, int lane, uint32_t& inclusive, uint32_t& total) {
+  const int c0 = 2 * lane, c1 = c0 + 1;
+  const uint32_t n0 = __popcll(w.x), n1 = __popcll(w.y);
+  inclusive = warp_inclusive_scan(n0 + n1, lane);
+  total = __shfl_sync(kFullMask, inclusive, 31);
+  const int64_t rest = n - tile * kTile;
+  bool past_end = false;
+  if (rest < kTile) {  // column c holds rows r with 64 r + c < rest
+    const int64_t rows0 = rest > c0 ? (rest - c0 + 63) / 64 : 0;
+    const int64_t rows1 = rest > c1 ? (rest - c1 + 63) / 64 : 0;
+    past_end = (rows0 < 64 && ((w.x | pw.x) >> rows0)) || (rows1 < 64 && ((w.y | pw.y) >> rows1));
+  }
+  int bad = __any_sync(kFullMask, past_end) ? kPastEnd : 0;
+  if (hi < lo || (tile == 0 && lo != 0)) bad |= kBadIndex;
+  else if (hi - lo != total) bad |= kBadTileCount;
+  if (hi > nnz) bad |= kBadNnz;
+  return bad;
+}
+
+// Overwriting decompression: one block per tile. Every warp reads the tile's 64 words and index
+// step (L1 broadcasts; the next tile's are prefetched into registers), and each warp writes 8
+// rows: lane l owns columns 2l and 2l+1, holds their words and offsets in registers, and stores
+// each row as one coalesced pair per lane, gathering values at colprefix + popcount(word below
+// the row) straight from A through L1.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 6) pici_decompress_kernel(
     const uint8_t* __restrict__ payload, int64_t capacity, int64_t n, int64_t tiles,
-    int64_t index_offset, int64_t values_offset, D* __restrict__ dst, bool aligned,
-    const uint8_t* __restrict__ prior, int32_t* __restrict__ status) {
-  constexpr bool kAdds = kMode == kAccumulate;
+    int64_t index_offset, int64_t values_offset, T* __restrict__ dst, bool aligned,
+    int32_t* __restrict__ status) {
   constexpr int kRows = kTileRows / (kThreads / 32);  // rows per warp
   union Pair {
-    D e[2];
-    typename std::conditional<sizeof(D) == 4, uint2, uint32_t>::type vec;
+    T e[2];
+    typename std::conditional<sizeof(T) == 4, uint2, uint32_t>::type vec;
   };
-  __shared__ __align__(16) V stage_s[kAdds ? kTile : 1];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned long long* bits = reinterpret_cast<const unsigned long long*>(payload);
-  const unsigned long long* prior_bits = reinterpret_cast<const unsigned long long*>(prior);
   const uint32_t* index = reinterpret_cast<const uint32_t*>(payload + index_offset);
-  const V* values = reinterpret_cast<const V*>(payload + values_offset);
+  const T* values = reinterpret_cast<const T*>(payload + values_offset);
   const int64_t nnz = index[tiles];
-  const int64_t value_room = (capacity - values_offset) / int64_t(sizeof(V));
+  const int64_t value_room = (capacity - values_offset) / int64_t(sizeof(T));
   if (nnz > n || nnz > value_room) {
     if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(status, kBadNnz);
     return;
   }
   const int c0 = 2 * lane, c1 = c0 + 1;
   // The next tile's words and index step are loaded while this tile's rows are written.
-  ulonglong2 w_next = make_ulonglong2(0ull, 0ull), p_next = make_ulonglong2(0ull, 0ull);
+  ulonglong2 w_next = make_ulonglong2(0ull, 0ull);
   uint32_t lo_next = 0, hi_next = 0;
   if (blockIdx.x < tiles) {
     w_next = reinterpret_cast<const ulonglong2*>(bits + int64_t(blockIdx.x) * kTileRows)[lane];
-    if constexpr (kMode == kPatch) p_next = reinterpret_cast<const ulonglong2*>(prior_bits + int64_t(blockIdx.x) * kTileRows)[lane];
     lo_next = index[blockIdx.x];
     hi_next = index[blockIdx.x + 1];
   }
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const ulonglong2 w = w_next, pw = p_next;
+    const ulonglong2 w = w_next;
     const uint32_t lo = lo_next, hi = hi_next;
     if (tile + gridDim.x < tiles) {
       w_next = reinterpret_cast<const ulonglong2*>(bits + (tile + gridDim.x) * kTileRows)[lane];
-      if constexpr (kMode == kPatch) p_next = reinterpret_cast<const ulonglong2*>(prior_bits + (tile + gridDim.x) * kTileRows)[lane];
       lo_next = index[tile + gridDim.x];
       hi_next = index[tile + gridDim.x + 1];
     }
-    const uint32_t n0 = __popcll(w.x), n1 = __popcll(w.y);
-    const uint32_t inclusive = warp_inclusive_scan(n0 + n1, lane);
-    const uint32_t total = __shfl_sync(kFullMask, inclusive, 31);
-    const int64_t base = tile * kTile;
-    const int64_t rest = n - base;
-    bool past_end = false;
-    if (rest < kTile) {  // column c holds rows r with 64 r + c < rest
-      const int64_t rows0 = rest > c0 ? (rest - c0 + 63) / 64 : 0;
-      const int64_t rows1 = rest > c1 ? (rest - c1 + 63) / 64 : 0;
-      past_end = (rows0 < 64 && ((w.x | pw.x) >> rows0)) || (rows1 < 64 && ((w.y | pw.y) >> rows1));
-    }
-    int bad = __any_sync(kFullMask, past_end) ? kPastEnd : 0;
-    if (hi < lo || (tile == 0 && lo != 0)) bad |= kBadIndex;
-    else if (hi - lo != total) bad |= kBadTileCount;
-    if (hi > nnz) bad |= kBadNnz;
+    uint32_t inclusive, total;
+    const int bad = check_tile(w, make_ulonglong2(0ull, 0ull), lo, hi, nnz, tile, n, lane, inclusive, total);
     if (bad) {  // block-uniform: every warp computed the same `bad`
       if (warp == 0 && lane == 0) atomicOr(status, bad);
       continue;
     }
-    const V* col0;
-    if constexpr (kAdds) {
-      __syncthreads();  // the previous tile's gathers are done with stage_s
-      for (uint32_t i = threadIdx.x; i < total; i += kThreads) stage_s[i] = values[int64_t(lo) + i];
-      __syncthreads();
-      col0 = stage_s + (inclusive - n0 - n1);
-    } else {
-      col0 = values + lo + (inclusive - n0 - n1);
-    }
-    const V* col1 = col0 + n0;
-    const bool full = aligned && rest >= kTile;
-    D* out = dst + base + c0;
+    const uint32_t n0 = __popcll(w.x);
+    const T* col0 = values + lo + (inclusive - n0 - __popcll(w.y));
+    const T* col1 = col0 + n0;
+    const int64_t base = tile * kTile;
+    const bool full = aligned && n - base >= kTile;
+    T* out = dst + base + c0;
     Pair row[kRows];
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int r = warp * kRows + i;
       const unsigned long long below = (1ull << r) - 1ull;
-      if constexpr (kAdds) {
-        // Read-add-write the marked elements only: unmarked ones keep their bits, and at high
-        // sparsity most 32-byte sectors of dst are never touched (the whole-row form moved
-        // all of dst twice whatever the sparsity). Marked bits lie below n (checked above).
-        if ((w.x >> r) & 1ull) out[r * kTileRows] = from_float<D>(to_float(out[r * kTileRows]) + to_float(col0[__popcll(w.x & below)]));
-        if ((w.y >> r) & 1ull) out[r * kTileRows + 1] = from_float<D>(to_float(out[r * kTileRows + 1]) + to_float(col1[__popcll(w.y & below)]));
-      } else if constexpr (kMode == kPatch) {
-        // Marked by either payload, hence below n (checked above).
-        if ((w.x >> r) & 1ull) out[r * kTileRows] = col0[__popcll(w.x & below)];
-        else if ((pw.x >> r) & 1ull) out[r * kTileRows] = D(0);
-        if ((w.y >> r) & 1ull) out[r * kTileRows + 1] = col1[__popcll(w.y & below)];
-        else if ((pw.y >> r) & 1ull) out[r * kTileRows + 1] = D(0);
+      row[i].e[0] = (w.x >> r) & 1ull ? col0[__popcll(w.x & below)] : T(0);
+      row[i].e[1] = (w.y >> r) & 1ull ? col1[__popcll(w.y & below)] : T(0);
+    }
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int r = warp * kRows + i;
+      if (full) {
+        *reinterpret_cast<decltype(row[i].vec)*>(out + r * kTileRows) = row[i].vec;
       } else {
-        row[i].e[0] = (w.x >> r) & 1ull ? col0[__popcll(w.x & below)] : D(0);
-        row[i].e[1] = (w.y >> r) & 1ull ? col1[__popcll(w.y & below)] : D(0);
+        if (base + r * kTileRows + c0 < n) out[r * kTileRows] = row[i].e[0];
+        if (base + r * kTileRows + c1 < n) out[r * kTileRows + 1] = row[i].e[1];
       }
     }
-    if constexpr (kMode == kOverwrite) {  // accumulation and patch wrote in place above
-#pragma unroll
-      for (int i = 0; i < kRows; ++i) {
-        const int r = warp * kRows + i;
-        if (full) {
-          *reinterpret_cast<decltype(row[i].vec)*>(out + r * kTileRows) = row[i].vec;
-        } else {
-          if (base + r * kTileRows + c0 < n) out[r * kTileRows] = row[i].e[0];
-          if (base + r * kTileRows + c1 < n) out[r * kTileRows + 1] = row[i].e[1];
-        }
+  }
+}
+
+// One marked element of a sparse decode: add the value (accumulate) or store it (patch).
+template <int kMode, typename V, typename D>
+__device__ __forceinline__ void put(D* at, V value) {
+  if constexpr (kMode == kAccumulate) *at = from_float<D>(to_float(*at) + to_float(value));
+  else *at = value;
+}
+
+// Decodes that touch only marked elements (accumulate, patch): one warp per tile, so that eight
+// tiles per block are in flight at once. At high sparsity these decodes are bound by latency per
+// tile, not by bandwidth (the block-per-tile form took ~6 ns per tile, 0.33 ms per GiB, at any
+// sparsity), and warps that wait on one tile's loads leave the SM to the others. Lane l owns
+// columns 2l and 2l+1. A tile with few nonzeros has each lane walk the set bits of its words
+// (ffs); a fuller one goes row by row, each lane handling its two columns' marked elements,
+// so that a warp's accesses to a row stay coalesced. Patch also zeros the elements only the
+// prior's words `pw` mark. Marked elements lie below n (check_tile).
+constexpr uint32_t kWalkMax = 128;  // tile counts up to this take the bit walk
+
+template <typename V, typename D, int kMode>
+__global__ void __launch_bounds__(kThreads, 8) pici_sparse_decode_kernel(
+    const uint8_t* __restrict__ payload, int64_t capacity, int64_t n, int64_t tiles,
+    int64_t index_offset, int64_t values_offset, D* __restrict__ dst,
+    const uint8_t* __restrict__ prior, int32_t* __restrict__ status) {
+  const int lane = threadIdx.x & 31;
+  const unsigned long long* bits = reinterpret_cast<const unsigned long long*>(payload);
+  const unsigned long long* prior_bits = reinterpret_cast<const unsigned long long*>(prior);
+  const uint32_t* index = reinterpret_cast<const uint32_t*>(payload + index_offset);
+  const V* values = reinterpret_cast<const V*>(payload + values_offset);
+  const int64_t nnz = index[tiles];
+  const int64_t value_room = (capacity - values_offset) / int64_t(sizeof(V));
+  const int64_t first = int64_t(blockIdx.x) * (kThreads / 32) + (threadIdx.x >> 5);
+  if (nnz > n || nnz > value_room) {
+    if (first == 0 && lane == 0) atomicOr(status, kBadNnz);
+    return;
+  }
+  const int64_t stride = int64_t(gridDim.x) * (kThreads / 32);
+  for (int64_t tile = first; tile < tiles; tile += stride) {
+    const ulonglong2 w = reinterpret_cast<const ulonglong2*>(bits + tile * kTileRows)[lane];
+    ulonglong2 pw = make_ulonglong2(0ull, 0ull);
+    if constexpr (kMode == kPatch) pw = reinterpret_cast<const ulonglong2*>(prior_bits + tile * kTileRows)[lane];
+    uint32_t inclusive, total;
+    const int bad = check_tile(w, pw, index[tile], index[tile + 1], nnz, tile, n, lane, inclusive, total);
+    if (bad) {  // warp-uniform
+      if (lane == 0) atomicOr(status, bad);
+      continue;
+    }
+    const uint32_t n0 = __popcll(w.x);
+    const V* col0 = values + index[tile] + (inclusive - n0 - __popcll(w.y));
+    const V* col1 = col0 + n0;
+    D* out = dst + tile * kTile + 2 * lane;
+    if constexpr (kMode == kPatch) {  // zeros first: no element is both zeroed and written
+      for (unsigned long long m = pw.x & ~w.x; m; m &= m - 1) out[(__ffsll(m) - 1) * kTileRows] = D(0);
+      for (unsigned long long m = pw.y & ~w.y; m; m &= m - 1) out[(__ffsll(m) - 1) * kTileRows + 1] = D(0);
+    }
+    if (total <= kWalkMax) {
+      uint32_t k = 0;
+      for (unsigned long long m = w.x; m; m &= m - 1) put<kMode>(out + (__ffsll(m) - 1) * kTileRows, col0[k++]);
+      k = 0;
+      for (unsigned long long m = w.y; m; m &= m - 1) put<kMode>(out + (__ffsll(m) - 1) * kTileRows + 1, col1[k++]);
+    } else {
+#pragma unroll 8
+      for (int r = 0; r < kTileRows; ++r) {
+        const unsigned long long below = (1ull << r) - 1ull;
+        if ((w.x >> r) & 1ull) put<kMode>(out + r * kTileRows, col0[__popcll(w.x & below)]);
+        if ((w.y >> r) & 1ull) put<kMode>(out + r * kTileRows + 1, col1[__popcll(w.y & below)]);
       }
     }
   }
@@ -292,16 +341,26 @@ void launch_compress(const T* src, int64_t n, uint8_t* out, int64_t capacity, vo
   check_launch("pici_compress_kernel");
 }
 
-template <typename V, typename D, int kMode>
-void launch_decompress(const uint8_t* payload, int64_t capacity, int64_t n, void* dst, const uint8_t* prior,
-                       int32_t* status, cudaStream_t stream) {
+template <typename T>
+void launch_decompress(const uint8_t* payload, int64_t capacity, int64_t n, void* dst, int32_t* status,
+                       cudaStream_t stream) {
   const PiciOffsets off(n);
   const bool aligned = reinterpret_cast<uintptr_t>(dst) % 16 == 0;
-  auto kernel = pici_decompress_kernel<V, D, kMode>;
+  auto kernel = pici_decompress_kernel<T>;
   kernel<<<resident_blocks(kernel, off.tiles), kThreads, 0, stream>>>(
-      payload, capacity, n, off.tiles, off.index_offset, off.values_offset, static_cast<D*>(dst), aligned,
-      prior, status);
+      payload, capacity, n, off.tiles, off.index_offset, off.values_offset, static_cast<T*>(dst), aligned, status);
   check_launch("pici_decompress_kernel");
+}
+
+template <typename V, typename D, int kMode>
+void launch_sparse_decode(const uint8_t* payload, int64_t capacity, int64_t n, void* dst, const uint8_t* prior,
+                          int32_t* status, cudaStream_t stream) {
+  const PiciOffsets off(n);
+  auto kernel = pici_sparse_decode_kernel<V, D, kMode>;
+  const int64_t blocks = (off.tiles + kThreads / 32 - 1) / (kThreads / 32);  // a warp per tile at most
+  kernel<<<resident_blocks(kernel, blocks), kThreads, 0, stream>>>(
+      payload, capacity, n, off.tiles, off.index_offset, off.values_offset, static_cast<D*>(dst), prior, status);
+  check_launch("pici_sparse_decode_kernel");
 }
 
 }  // namespace
@@ -331,24 +390,24 @@ void pici_decompress(const uint8_t* payload, int64_t capacity, int64_t n, Elem v
   if (!accumulate) {
     // Overwrite and patch copy bits: the element size is all that matters.
     if (value == Elem::kF32) {
-      if (prior) launch_decompress<uint32_t, uint32_t, kPatch>(payload, capacity, n, dst, prior, status, stream);
-      else launch_decompress<uint32_t, uint32_t, kOverwrite>(payload, capacity, n, dst, nullptr, status, stream);
+      if (prior) launch_sparse_decode<uint32_t, uint32_t, kPatch>(payload, capacity, n, dst, prior, status, stream);
+      else launch_decompress<uint32_t>(payload, capacity, n, dst, status, stream);
     } else {
-      if (prior) launch_decompress<uint16_t, uint16_t, kPatch>(payload, capacity, n, dst, prior, status, stream);
-      else launch_decompress<uint16_t, uint16_t, kOverwrite>(payload, capacity, n, dst, nullptr, status, stream);
+      if (prior) launch_sparse_decode<uint16_t, uint16_t, kPatch>(payload, capacity, n, dst, prior, status, stream);
+      else launch_decompress<uint16_t>(payload, capacity, n, dst, status, stream);
     }
   } else if (dst_type == Elem::kF32) {
     if (value == Elem::kF32) {
-      launch_decompress<float, float, kAccumulate>(payload, capacity, n, dst, nullptr, status, stream);
+      launch_sparse_decode<float, float, kAccumulate>(payload, capacity, n, dst, nullptr, status, stream);
     } else if (value == Elem::kBF16) {
-      launch_decompress<__nv_bfloat16, float, kAccumulate>(payload, capacity, n, dst, nullptr, status, stream);
+      launch_sparse_decode<__nv_bfloat16, float, kAccumulate>(payload, capacity, n, dst, nullptr, status, stream);
     } else {
-      launch_decompress<__half, float, kAccumulate>(payload, capacity, n, dst, nullptr, status, stream);
+      launch_sparse_decode<__half, float, kAccumulate>(payload, capacity, n, dst, nullptr, status, stream);
     }
   } else if (dst_type == Elem::kBF16) {
-    launch_decompress<__nv_bfloat16, __nv_bfloat16, kAccumulate>(payload, capacity, n, dst, nullptr, status, stream);
+    launch_sparse_decode<__nv_bfloat16, __nv_bfloat16, kAccumulate>(payload, capacity, n, dst, nullptr, status, stream);
   } else {
-    launch_decompress<__half, __half, kAccumulate>(payload, capacity, n, dst, nullptr, status, stream);
+    launch_sparse_decode<__half, __half, kAccumulate>(payload, capacity, n, dst, nullptr, status, stream);
   }
 }
 
