@@ -174,31 +174,45 @@ __device__ __forceinline__ int check_tile(ulonglong2 w, ulonglong2 pw, uint32_t 
   return bad;
 }
 
-// Overwriting decompression: one block per tile. Every warp reads the tile's 64 words and index
-// step (L1 broadcasts; the next tile's are prefetched into registers), and each warp writes 8
-// rows: lane l owns columns 2l and 2l+1, holds their words and offsets in registers, and stores
-// each row as one coalesced pair per lane, gathering values at colprefix + popcount(word below
-// the row) straight from A through L1.
-template <typename T>
-__global__ void __launch_bounds__(kThreads, 6) pici_decompress_kernel(
+// Payloads of at most this many nonzeros per 100 elements accumulate with the warp-per-tile
+// kernel, denser ones with the block-per-tile one (measured on H200, 1 GiB fp32, fraction of copy,
+// block / warp per tile: 0.76 / 0.37 at 50% sparsity, 0.99 / 0.78 at 95%, 1.32 / 2.77 at 99%,
+// 1.51 / 11.5 at 99.9%). Both kernels are launched; each reads nnz and one returns at once.
+constexpr int64_t kSparsePercent = 3;
+
+__device__ __forceinline__ bool sparse_payload(int64_t nnz, int64_t n) { return 100 * nnz <= kSparsePercent * n; }
+
+// Decompression, one block per tile. Every warp reads the tile's 64 words and index step (L1
+// broadcasts; the next tile's are prefetched into registers), and each warp writes 8 rows: lane l
+// owns columns 2l and 2l+1, holds their words and offsets in registers, and stores each row as one
+// coalesced pair per lane, gathering values at colprefix + popcount(word below the row).
+// Accumulation (of dense payloads; sparse ones go to pici_sparse_decode_kernel) first stages the
+// tile's run of A in shared memory (gathers there cost a few bank conflicts where L1 replays per
+// line; measured +10-15 points) and then reads, adds and writes only the marked elements of dst;
+// overwrite gathers straight from A through L1, which measured faster than staging's two
+// barriers, and writes every element.
+template <typename V, typename D, bool kAccumulate>
+__global__ void __launch_bounds__(kThreads, kAccumulate ? 4 : 6) pici_decompress_kernel(
     const uint8_t* __restrict__ payload, int64_t capacity, int64_t n, int64_t tiles,
-    int64_t index_offset, int64_t values_offset, T* __restrict__ dst, bool aligned,
+    int64_t index_offset, int64_t values_offset, D* __restrict__ dst, bool aligned,
     int32_t* __restrict__ status) {
   constexpr int kRows = kTileRows / (kThreads / 32);  // rows per warp
   union Pair {
-    T e[2];
-    typename std::conditional<sizeof(T) == 4, uint2, uint32_t>::type vec;
+    D e[2];
+    typename std::conditional<sizeof(D) == 4, uint2, uint32_t>::type vec;
   };
+  __shared__ __align__(16) V stage_s[kAccumulate ? kTile : 1];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned long long* bits = reinterpret_cast<const unsigned long long*>(payload);
   const uint32_t* index = reinterpret_cast<const uint32_t*>(payload + index_offset);
-  const T* values = reinterpret_cast<const T*>(payload + values_offset);
+  const V* values = reinterpret_cast<const V*>(payload + values_offset);
   const int64_t nnz = index[tiles];
-  const int64_t value_room = (capacity - values_offset) / int64_t(sizeof(T));
+  const int64_t value_room = (capacity - values_offset) / int64_t(sizeof(V));
   if (nnz > n || nnz > value_room) {
     if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(status, kBadNnz);
     return;
   }
+  if (kAccumulate && sparse_payload(nnz, n)) return;  // the warp-per-tile kernel decodes it
   const int c0 = 2 * lane, c1 = c0 + 1;
   // The next tile's words and index step are loaded while this tile's rows are written.
   ulonglong2 w_next = make_ulonglong2(0ull, 0ull);
@@ -223,19 +237,35 @@ __global__ void __launch_bounds__(kThreads, 6) pici_decompress_kernel(
       continue;
     }
     const uint32_t n0 = __popcll(w.x);
-    const T* col0 = values + lo + (inclusive - n0 - __popcll(w.y));
-    const T* col1 = col0 + n0;
+    const V* col0;
+    if constexpr (kAccumulate) {
+      __syncthreads();  // the previous tile's gathers are done with stage_s
+      for (uint32_t i = threadIdx.x; i < total; i += kThreads) stage_s[i] = values[int64_t(lo) + i];
+      __syncthreads();
+      col0 = stage_s + (inclusive - n0 - __popcll(w.y));
+    } else {
+      col0 = values + lo + (inclusive - n0 - __popcll(w.y));
+    }
+    const V* col1 = col0 + n0;
     const int64_t base = tile * kTile;
     const bool full = aligned && n - base >= kTile;
-    T* out = dst + base + c0;
+    D* out = dst + base + c0;
     Pair row[kRows];
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int r = warp * kRows + i;
       const unsigned long long below = (1ull << r) - 1ull;
-      row[i].e[0] = (w.x >> r) & 1ull ? col0[__popcll(w.x & below)] : T(0);
-      row[i].e[1] = (w.y >> r) & 1ull ? col1[__popcll(w.y & below)] : T(0);
+      if constexpr (kAccumulate) {
+        // Read-add-write the marked elements only: unmarked ones keep their bits. Marked bits
+        // lie below n (checked above).
+        if ((w.x >> r) & 1ull) out[r * kTileRows] = from_float<D>(to_float(out[r * kTileRows]) + to_float(col0[__popcll(w.x & below)]));
+        if ((w.y >> r) & 1ull) out[r * kTileRows + 1] = from_float<D>(to_float(out[r * kTileRows + 1]) + to_float(col1[__popcll(w.y & below)]));
+      } else {
+        row[i].e[0] = (w.x >> r) & 1ull ? col0[__popcll(w.x & below)] : D(0);
+        row[i].e[1] = (w.y >> r) & 1ull ? col1[__popcll(w.y & below)] : D(0);
+      }
     }
+    if constexpr (kAccumulate) continue;  // written in place above
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const int r = warp * kRows + i;
@@ -256,10 +286,11 @@ __device__ __forceinline__ void put(D* at, V value) {
   else *at = value;
 }
 
-// Decodes that touch only marked elements (accumulate, patch): one warp per tile, so that eight
-// tiles per block are in flight at once. At high sparsity these decodes are bound by latency per
-// tile, not by bandwidth (the block-per-tile form took ~6 ns per tile, 0.33 ms per GiB, at any
-// sparsity), and warps that wait on one tile's loads leave the SM to the others. Lane l owns
+// Decodes that touch only marked elements (patch, and accumulation of sparse payloads): one warp
+// per tile, so that eight tiles per block are in flight at once. At high sparsity these decodes
+// are bound by latency per tile, not by bandwidth (the block-per-tile form took ~6 ns per tile,
+// 0.33 ms per GiB, at any sparsity), and warps that wait on one tile's loads leave the SM to the
+// others; dense payloads are faster block per tile (kSparsePercent). Lane l owns
 // columns 2l and 2l+1. A tile with few nonzeros has each lane walk the set bits of its words
 // (ffs); a fuller one goes row by row, each lane handling its two columns' marked elements,
 // so that a warp's accesses to a row stay coalesced. Patch also zeros the elements only the
@@ -283,6 +314,7 @@ __global__ void __launch_bounds__(kThreads, 8) pici_sparse_decode_kernel(
     if (first == 0 && lane == 0) atomicOr(status, kBadNnz);
     return;
   }
+  if (kMode == kAccumulate && !sparse_payload(nnz, n)) return;  // the block-per-tile kernel decodes it
   const int64_t stride = int64_t(gridDim.x) * (kThreads / 32);
   for (int64_t tile = first; tile < tiles; tile += stride) {
     const ulonglong2 w = reinterpret_cast<const ulonglong2*>(bits + tile * kTileRows)[lane];
@@ -341,17 +373,19 @@ void launch_compress(const T* src, int64_t n, uint8_t* out, int64_t capacity, vo
   check_launch("pici_compress_kernel");
 }
 
-template <typename T>
+template <typename V, typename D, bool kAccumulate>
 void launch_decompress(const uint8_t* payload, int64_t capacity, int64_t n, void* dst, int32_t* status,
                        cudaStream_t stream) {
   const PiciOffsets off(n);
   const bool aligned = reinterpret_cast<uintptr_t>(dst) % 16 == 0;
-  auto kernel = pici_decompress_kernel<T>;
+  auto kernel = pici_decompress_kernel<V, D, kAccumulate>;
   kernel<<<resident_blocks(kernel, off.tiles), kThreads, 0, stream>>>(
-      payload, capacity, n, off.tiles, off.index_offset, off.values_offset, static_cast<T*>(dst), aligned, status);
+      payload, capacity, n, off.tiles, off.index_offset, off.values_offset, static_cast<D*>(dst), aligned, status);
   check_launch("pici_decompress_kernel");
 }
 
+// Patch, or accumulate: then both kernels go, and the one the payload's density does not suit
+// returns after reading nnz (kSparsePercent).
 template <typename V, typename D, int kMode>
 void launch_sparse_decode(const uint8_t* payload, int64_t capacity, int64_t n, void* dst, const uint8_t* prior,
                           int32_t* status, cudaStream_t stream) {
@@ -361,6 +395,7 @@ void launch_sparse_decode(const uint8_t* payload, int64_t capacity, int64_t n, v
   kernel<<<resident_blocks(kernel, blocks), kThreads, 0, stream>>>(
       payload, capacity, n, off.tiles, off.index_offset, off.values_offset, static_cast<D*>(dst), prior, status);
   check_launch("pici_sparse_decode_kernel");
+  if constexpr (kMode == kAccumulate) launch_decompress<V, D, true>(payload, capacity, n, dst, status, stream);
 }
 
 }  // namespace
@@ -391,10 +426,10 @@ void pici_decompress(const uint8_t* payload, int64_t capacity, int64_t n, Elem v
     // Overwrite and patch copy bits: the element size is all that matters.
     if (value == Elem::kF32) {
       if (prior) launch_sparse_decode<uint32_t, uint32_t, kPatch>(payload, capacity, n, dst, prior, status, stream);
-      else launch_decompress<uint32_t>(payload, capacity, n, dst, status, stream);
+      else launch_decompress<uint32_t, uint32_t, false>(payload, capacity, n, dst, status, stream);
     } else {
       if (prior) launch_sparse_decode<uint16_t, uint16_t, kPatch>(payload, capacity, n, dst, prior, status, stream);
-      else launch_decompress<uint16_t>(payload, capacity, n, dst, status, stream);
+      else launch_decompress<uint16_t, uint16_t, false>(payload, capacity, n, dst, status, stream);
     }
   } else if (dst_type == Elem::kF32) {
     if (value == Elem::kF32) {
