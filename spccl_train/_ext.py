@@ -31,6 +31,7 @@ _OPS = (
     "pici_compress",
     "pici_decompress",
     "pici_decompress_accumulate",
+    "pici_decompress_patch",
     "coo_compress",
     "coo_decompress",
     "coo_decompress_accumulate",

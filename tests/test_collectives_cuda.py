@@ -120,6 +120,20 @@ def _piece_bounds(mask: torch.Tensor, layout: ChunkLayout, collective: str) -> l
     return rows
 
 
+def _matches(collective: str, out: torch.Tensor, xs: torch.Tensor, rank: int) -> bool:
+    """``out`` is this rank's result of ``collective`` over the rows of ``xs`` (one per rank): sums
+    within the rounding of ``world`` additions, an all-gather exactly."""
+    world, n = xs.shape
+    if collective == "all_gather":
+        return torch.equal(out, xs.reshape(-1))
+    ref = xs.double().sum(0)
+    tol = 2 * world * EPS[xs.dtype] * xs.double().abs().sum(0)
+    if collective == "reduce_scatter":
+        part = slice(rank * (n // world), (rank + 1) * (n // world))
+        ref, tol = ref[part], tol[part]
+    return bool(((out.double() - ref).abs() <= tol).all())
+
+
 def _rank_graphs(rank: int, world: int, init_file: str, out_dir: str) -> None:
     from spccl_train.collectives import cached_graphs, clear_graphs
 
@@ -172,15 +186,7 @@ def _rank_graphs(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 continue
             clean = stats
             status = int(stats.decode_status)
-            ref = xs.double().sum(0)
-            tol = 2 * world * EPS[dtype] * xs.double().abs().sum(0)
-            if collective == "all_reduce":
-                ok = bool(((out.double() - ref).abs() <= tol).all())
-            elif collective == "reduce_scatter":
-                part = slice(rank * (n // world), (rank + 1) * (n // world))
-                ok = bool(((out.double() - ref[part]).abs() <= tol[part]).all())
-            else:
-                ok = torch.equal(out, xs.reshape(-1))
+            ok = _matches(collective, out, xs, rank)
             if not ok or status:
                 failures.append(f"{what} iteration {it}: wrong result or decode status {status} ({stats.graph!r})")
         try:  # every rank passes another tensor under the same tag: every rank raises, before any transfer
@@ -240,15 +246,7 @@ def _rank_graphs_exchanged(rank: int, world: int, init_file: str, out_dir: str) 
                 spccl_train.all_gather_into_tensor(out, mine, **kwargs)
             stats = last_stats()
             modes.append(stats.graph)
-            ref = xs.double().sum(0)
-            tol = 2 * world * EPS[dtype] * xs.double().abs().sum(0)
-            if collective == "all_reduce":
-                ok = bool(((out.double() - ref).abs() <= tol).all())
-            elif collective == "reduce_scatter":
-                part = slice(rank * (n // world), (rank + 1) * (n // world))
-                ok = bool(((out.double() - ref[part]).abs() <= tol[part]).all())
-            else:
-                ok = torch.equal(out, xs.reshape(-1))
+            ok = _matches(collective, out, xs, rank)
             if not ok or int(stats.decode_status) or stats.exchanges != 1:
                 failures.append(
                     f"{what} call {it}: ok={ok} status={int(stats.decode_status)} exchanges={stats.exchanges}"
