@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import socket
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from spccl_train import cli
 from spccl_train.train import config as C
 from spccl_train.train.data import DataError, TokenData, embedded_corpus, prepare_tokens
-from spccl_train.train.trainer import launch
+from spccl_train.train.trainer import launch, local_rendezvous
 
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
@@ -264,3 +265,12 @@ def test_shipped_spccl_configs_finish_the_warm_up_before_the_timed_iterations():
 def test_report_rejects_a_folder_that_is_not_a_run(tmp_path, capsys):
     assert cli.main(["report", str(tmp_path)]) == 2
     assert "not a finished run folder" in capsys.readouterr().err
+
+
+def test_local_rendezvous_holds_its_port_for_the_whole_launch():
+    """The store listens on its port for as long as the ranks may join: no other process can take
+    it between picking and binding (the race of picking a free port and closing it)."""
+    with local_rendezvous(2) as env:
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and env["WORLD_SIZE"] == "2"
+        with socket.socket() as s, pytest.raises(OSError):
+            s.bind(("127.0.0.1", int(env["MASTER_PORT"])))

@@ -71,11 +71,11 @@ from ..train.data import prepare_tokens
 from ..train.trainer import (
     RunLog,
     _device,
-    _free_port,
     _lr_at,
     _sync,
     collective_config,
     finish_run,
+    local_rendezvous,
     make_optimizer,
     one_rank_environment,
 )
@@ -103,20 +103,20 @@ def launch(cfg: ExperimentConfig, config_name: str, *, distributed_optimizer: bo
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return run_worker(cfg, config_name, distributed_optimizer=distributed_optimizer)
     nproc = cfg.dist.nproc_per_node
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nproc)}
-    if nproc == 1:
-        with one_rank_environment(env):
-            return run_worker(cfg, config_name, distributed_optimizer=distributed_optimizer)
-    import torch.multiprocessing as mp
+    with local_rendezvous(nproc) as env:
+        if nproc == 1:
+            with one_rank_environment(env):
+                return run_worker(cfg, config_name, distributed_optimizer=distributed_optimizer)
+        import torch.multiprocessing as mp
 
-    result = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(
-        _spawned,
-        args=(env, nproc, to_dict(cfg), config_name, distributed_optimizer, result),
-        nprocs=nproc,
-        start_method="spawn",
-    )
-    run_dir = result.get()
+        result = mp.get_context("spawn").SimpleQueue()
+        mp.start_processes(
+            _spawned,
+            args=(env, nproc, to_dict(cfg), config_name, distributed_optimizer, result),
+            nprocs=nproc,
+            start_method="spawn",
+        )
+        run_dir = result.get()
     return pathlib.Path(run_dir) if run_dir else None
 
 

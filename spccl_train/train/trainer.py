@@ -16,7 +16,6 @@ import json
 import math
 import os
 import pathlib
-import socket
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ __all__ = [
     "IterationRecord",
     "finish_run",
     "launch",
+    "local_rendezvous",
     "make_optimizer",
     "one_rank_environment",
     "run_worker",
@@ -63,10 +63,24 @@ class IterationRecord:
     """Planning exchanges (host synchronisations) of the iteration's sparse all-reduces."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def local_rendezvous(nproc: int):
+    """torchrun's rendezvous variables for ``nproc`` ranks launched from this process.
+
+    This process hosts the TCP store on a port the system picks, for as long as the block runs,
+    and every rank joins it as a client (``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun). No
+    port is picked, closed and handed on, so none can be taken by another process in between.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
+    try:
+        yield {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store.port),
+            "WORLD_SIZE": str(nproc),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }
+    finally:
+        del store
 
 
 def launch(cfg: ExperimentConfig, config_name: str) -> pathlib.Path | None:
@@ -77,17 +91,17 @@ def launch(cfg: ExperimentConfig, config_name: str) -> pathlib.Path | None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return run_worker(cfg, config_name)
     nproc = cfg.dist.nproc_per_node
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nproc)}
-    if nproc == 1:
-        with one_rank_environment(env):
-            return run_worker(cfg, config_name)
-    import torch.multiprocessing as mp
+    with local_rendezvous(nproc) as env:
+        if nproc == 1:
+            with one_rank_environment(env):
+                return run_worker(cfg, config_name)
+        import torch.multiprocessing as mp
 
-    result = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(
-        _spawned, args=(env, nproc, to_dict(cfg), config_name, result), nprocs=nproc, start_method="spawn"
-    )
-    run_dir = result.get()
+        result = mp.get_context("spawn").SimpleQueue()
+        mp.start_processes(
+            _spawned, args=(env, nproc, to_dict(cfg), config_name, result), nprocs=nproc, start_method="spawn"
+        )
+        run_dir = result.get()
     return pathlib.Path(run_dir) if run_dir else None
 
 
