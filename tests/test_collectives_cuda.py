@@ -51,6 +51,23 @@ def _init_rank(rank: int, world: int, init_file: str) -> torch.device:
     return torch.device("cuda", rank)
 
 
+def _finish_rank(rank: int, out_dir: str, failures: list[str]) -> None:
+    """Write this rank's failures (an empty file: none) where the test reads them; leave the group."""
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write("\n".join(failures))
+    dist.destroy_process_group()
+
+
+def _run_ranks(fn, tmp_path, monkeypatch) -> None:
+    """Spawn ``fn(rank, world, init_file, out_dir)`` on up to 4 GPUs and fail with any rank's failures."""
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # NVLink multicast can take shared GPUs out of service
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    world = min(4, torch.cuda.device_count())
+    torch.multiprocessing.spawn(fn, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world)
+    for rank in range(world):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "", (tmp_path / f"rank{rank}.txt").read_text()
+
+
 def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dev = _init_rank(rank, world, init_file)
     failures = []
@@ -90,19 +107,12 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
             ok = False
         if not ok:
             failures.append(f"{collective} {algorithm} {fmt} {dtype} sparsity={sparsity} channels={channels}")
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write("\n".join(failures))
-    dist.destroy_process_group()
+    _finish_rank(rank, out_dir, failures)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_collectives_over_nccl(tmp_path, monkeypatch):
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # NVLink multicast can take shared GPUs out of service
-    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    world = min(4, torch.cuda.device_count())
-    torch.multiprocessing.spawn(_rank, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world)
-    for rank in range(world):
-        assert (tmp_path / f"rank{rank}.txt").read_text() == "", f"rank {rank} failed"
+    _run_ranks(_rank, tmp_path, monkeypatch)
 
 
 def _piece_bounds(mask: torch.Tensor, layout: ChunkLayout, collective: str) -> list[list[int]]:
@@ -200,20 +210,13 @@ def _rank_graphs(rank: int, world: int, init_file: str, out_dir: str) -> None:
     if cached_graphs() == 0:
         failures.append("no graph cached")
     clear_graphs()
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write("\n".join(failures))
-    dist.destroy_process_group()
+    _finish_rank(rank, out_dir, failures)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_bounded_calls_replay_cuda_graphs(tmp_path, monkeypatch):
     """cuda_graphs: eager, then captured, then replayed, each result exact on fresh data in the same tensors."""
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
-    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    world = min(4, torch.cuda.device_count())
-    torch.multiprocessing.spawn(_rank_graphs, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world)
-    for rank in range(world):
-        assert (tmp_path / f"rank{rank}.txt").read_text() == "", (tmp_path / f"rank{rank}.txt").read_text()
+    _run_ranks(_rank_graphs, tmp_path, monkeypatch)
 
 
 def _rank_graphs_exchanged(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -256,20 +259,11 @@ def _rank_graphs_exchanged(rank: int, world: int, init_file: str, out_dir: str) 
         if modes[5] != "" and stats.algorithm != "native":
             failures.append(f"{what}: the call that outgrew the bounds ran as {modes[5]!r}, not eagerly")
     clear_graphs()
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write("\n".join(failures))
-    dist.destroy_process_group()
+    _finish_rank(rank, out_dir, failures)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_graphed_calls_without_bounds_plan_from_exchanged_counts(tmp_path, monkeypatch):
     """cuda_graphs without bounds: one count exchange per call, bounds derived from it and kept while
     the counts fit, so calls on fresh supports replay; a call that outgrows them runs eagerly."""
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
-    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    world = min(4, torch.cuda.device_count())
-    torch.multiprocessing.spawn(
-        _rank_graphs_exchanged, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world
-    )
-    for rank in range(world):
-        assert (tmp_path / f"rank{rank}.txt").read_text() == "", (tmp_path / f"rank{rank}.txt").read_text()
+    _run_ranks(_rank_graphs_exchanged, tmp_path, monkeypatch)

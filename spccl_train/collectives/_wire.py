@@ -78,7 +78,7 @@ def decode(
             n=m.numel,
             accumulate=accumulate,
             dtype=dtype,
-            prior=None if accumulate else prior,
+            prior=prior,
             check=False,
         )
     else:

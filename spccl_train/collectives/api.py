@@ -321,10 +321,13 @@ def _call(
         exchanged = (
             graphed and bounds is None and not (collective == "all_reduce" and config.gather_counts == "measured")
         )
+        fingerprint = config.fingerprint() if graphed else ""
         if exchanged:  # plan from the exchanged counts, rounded up so that calls repeat and replay
-            bounds = _measured_bounds(collective, transport, config, input, output, planner, planning_stream, graph_tag)
+            bounds = _measured_bounds(
+                collective, transport, config, fingerprint, input, output, planner, planning_stream, graph_tag
+            )
         if graphed and bounds is not None:
-            key = graph_key(collective, transport, input, output, config.fingerprint(), bounds, graph_tag)
+            key = graph_key(collective, transport, input, output, fingerprint, bounds, graph_tag)
             stats, event = run_graphed(
                 key, input, output, lambda: _run(collective, transport, config, input, output, planner, None, bounds)
             )
@@ -621,6 +624,7 @@ def _measured_bounds(
     collective: str,
     transport: P2PTransport,
     config: CollectiveConfig,
+    fingerprint: str,
     inp: torch.Tensor,
     out: torch.Tensor,
     planner: P2PTransport,
@@ -630,8 +634,8 @@ def _measured_bounds(
     """Bounds for a graphed call from its exchanged counts: the previous bounds of this call (same
     collective, group, tag, sizes, dtype and config) while every count fits and none is loose
     (over twice its count plus 64), else new ones above the counts (``BOUND_HEADROOM``). Every rank
-    exchanged the same table and made the same calls, so all derive the same bounds and graph key."""
-    fingerprint = config.fingerprint()
+    exchanged the same table and made the same calls, so all derive the same bounds and graph key.
+    ``fingerprint``: ``config.fingerprint()``."""
     request, problems, _, layout = _request(collective, transport, config, fingerprint, inp, out)
     x = inp.view(-1) if not problems else inp
     table, _ = _exchange(
@@ -647,7 +651,8 @@ def _measured_bounds(
     if last is not None and all(c <= b <= 2 * c + 64 for row, bound in zip(table, last) for c, b in zip(row, bound)):
         return last
     bounds = [
-        [min(n, math.ceil(c * BOUND_HEADROOM + 4 * math.sqrt(c)) + 16) for c, n in zip(row, lim)] + [0] * (len(row) - len(lim))
+        [min(n, math.ceil(c * BOUND_HEADROOM + 4 * math.sqrt(c)) + 16) for c, n in zip(row, lim)]
+        + [0] * (len(row) - len(lim))
         for row, lim in zip(table, limits)
     ]
     remember_bounds(name, bounds)
