@@ -339,17 +339,25 @@ class _Reducer:
 def _reducer_loop(jobs: queue.SimpleQueue, device: torch.device, stream: torch.cuda.Stream | None) -> None:
     while (item := jobs.get()) is not None:
         job, ready, future = item
+        item = None
         try:
             if stream is None:
-                future.set_result(job())
+                result = job()
+                # Let go of the job before DDP can go on: its closure holds the group, which must be
+                # free by the time the caller destroys it.
+                job = None
+                future.set_result(result)
             else:
                 with torch.cuda.device(device), torch.cuda.stream(stream):
                     stream.wait_event(ready)  # the bucket's gradients are complete
-                    future.set_result(job())  # records an event on the side stream for DDP to wait on
+                    result = job()
+                    job = ready = None
+                    future.set_result(result)  # records an event on the side stream for DDP to wait on
         except BaseException as exc:  # noqa: BLE001 - handed to DDP, which raises it on its thread
+            job = ready = None
             future.set_exception(exc)
-        # Keep nothing of the job while waiting for the next: its closure holds the group and bucket.
-        item = job = ready = future = None
+        # Keep nothing while waiting for the next job.
+        result = future = None
 
 
 def _reduce_sparse(
