@@ -27,6 +27,7 @@ from spccl_train.collectives.plan import (
     plan_all_gather,
     plan_reduce_scatter,
     sparsity,
+    wave_sizes,
 )
 from spccl_train.formats import TILE, Format, align16, coo_bytes, pici_bytes
 
@@ -312,6 +313,18 @@ def test_direct_all_gather_routes():
     pairs = sorted((m.src, m.dst) for m in skewed.messages())
     assert pairs == sorted((c, d) for c in range(4) for d in range(4) if c != d)
     assert 4 * max(sizes) <= PADDED_GATHER_SLACK * sum(sizes)
+
+
+def test_direct_all_gather_pads_each_wave():
+    # two pieces per chunk move as two waves; the padded route pads each wave to its largest payload
+    layout = ChunkLayout.equal(4 * 2 * TILE, 4, channels=2)
+    counts = [[100, 60], [60, 100], [80, 80], [70, 70]]
+    (step,) = _ag(counts, layout, algorithm="direct").steps
+    waves = wave_sizes(step, 4, 2)
+    assert waves == [[align16(pici_bytes(TILE, row[k], F32)) for row in counts] for k in range(2)]
+    assert step.route is Route.ALL_GATHER
+    assert step.slot_bytes == max(waves[0]) + max(waves[1]) > max(map(sum, zip(*waves)))
+    assert 4 * step.slot_bytes <= PADDED_GATHER_SLACK * sum(map(sum, waves))
 
 
 def test_direct_reduce_scatter_messages():

@@ -1,13 +1,18 @@
 """The direct algorithm, run from a plan: each chunk travels once, at the sparsity it was measured at.
 
-Reduce-scatter: every rank encodes each of its contributions to the other ranks' chunks into one
-packed buffer and a single ``all_to_all_single`` (split sizes from the plan) delivers them; each
-owner then sums the ``world`` contributions of its chunk. There is no fill-in in transit, and
-16-bit data is summed in an fp32 buffer and rounded once.
+Reduce-scatter: every rank encodes each of its contributions to the other ranks' chunks and an
+``all_to_all_single`` (split sizes from the plan) delivers them; each owner then sums the
+``world`` contributions of its chunk. There is no fill-in in transit, and 16-bit data is summed
+in an fp32 buffer and rounded once.
 
-All-gather: every rank encodes its chunk once; one ``all_gather`` of payloads padded to the
+All-gather: every rank encodes its chunk once; an ``all_gather`` of payloads padded to the
 largest (when the plan finds the padding cheap) or grouped point-to-point sends of the exact
 payloads deliver it to every rank, which decodes each chunk in place.
+
+Waves: with ``channels > 1`` each phase runs as one exchange per piece index (wave ``k`` moves
+piece ``k`` of every chunk), posted as soon as its pieces are encoded. On a GPU the exchange of
+wave ``k`` runs on NCCL's stream while wave ``k + 1`` encodes, and wave ``k`` is decoded while
+wave ``k + 1`` is on the wire.
 
 All-reduce runs both in place. Its gather phase writes over chunks that still hold this rank's
 own contribution, which the reduce-scatter encoded. Where both are Pici and the reduced piece is
@@ -17,13 +22,15 @@ very sparse, the decode is a patch that writes only the elements either payload 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..formats import Format
 from ..transport import P2PTransport
 from ._wire import StatusSink, carve, decode, encode
 from .chunking import ChunkLayout
-from .plan import Route, Step
+from .plan import Route, Step, wave_sizes
 
 __all__ = ["direct_reduce_scatter", "direct_all_gather"]
 
@@ -48,26 +55,30 @@ def direct_reduce_scatter(
     ``x`` is read only when ``out`` is given; ``out`` may be ``x``'s own chunk (in place). Returns
     the Pici payloads this rank sent, by piece ``(start, numel)``: what those pieces of ``x`` hold.
     """
-    rank, p = transport.rank, transport.world
+    rank, p, ch = transport.rank, transport.world, layout.channels
     dtype = x.dtype
     own = layout.chunks[rank]
     sends, recvs = step.sent_by(rank), step.received_by(rank)
-    in_splits, out_splits = [0] * p, [0] * p
+    in_splits, out_splits = [[0] * p for _ in range(ch)], [[0] * p for _ in range(ch)]
     for m in sends:
-        in_splits[m.dst] += m.nbytes
+        in_splits[m.piece][m.dst] += m.nbytes
     for m in recvs:
-        out_splits[m.src] += m.nbytes
+        out_splits[m.piece][m.src] += m.nbytes
     wide = dtype != torch.float32
-    sendbuf, recvbuf, wide_acc = carve(x.device, [sum(in_splits), sum(out_splits), 4 * own.numel if wide else 0])
-    offset = 0
+    bufs = carve(x.device, [*map(sum, in_splits), *map(sum, out_splits), 4 * own.numel if wide else 0])
+    sendbufs, recvbufs, wide_acc = bufs[:ch], bufs[ch : 2 * ch], bufs[-1]
     sent = {}
-    for m in sends:  # (dst, piece) order: the all-to-all's input order
-        slot = sendbuf[offset : offset + m.nbytes]
-        encode(m, x, m.start, slot)
-        if m.format is Format.PICI:
-            sent[(m.start, m.numel)] = slot
-        offset += m.nbytes
-    work = transport.all_to_all(recvbuf, sendbuf, out_splits, in_splits)
+    works = []
+    for k in range(ch):
+        offset = 0
+        for m in sends:  # (dst, piece) order: the all-to-all's input order
+            if m.piece == k:
+                slot = sendbufs[k][offset : offset + m.nbytes]
+                encode(m, x, m.start, slot)
+                if m.format is Format.PICI:
+                    sent[(m.start, m.numel)] = slot
+                offset += m.nbytes
+        works.append(transport.all_to_all(recvbufs[k], sendbufs[k], out_splits[k], in_splits[k]))
     target = x[own.start : own.stop] if out is None else out
     if wide:
         acc = wide_acc.view(torch.float32)
@@ -76,14 +87,15 @@ def direct_reduce_scatter(
         acc = target
         if out is not None:
             acc.copy_(x[own.start : own.stop])
-    if work is not None:
-        work.wait()
-    offset = 0
-    for m in recvs:  # (src, piece) order: the all-to-all's output order
-        decode(
-            m, recvbuf[offset : offset + m.nbytes], acc, m.start - own.start, accumulate=True, dtype=dtype, sink=sink
-        )
-        offset += m.nbytes
+    for k, work in enumerate(works):
+        if work is not None:
+            work.wait()
+        offset = 0
+        for m in recvs:  # (src, piece) order: the all-to-all's output order
+            if m.piece == k:
+                slot = recvbufs[k][offset : offset + m.nbytes]
+                decode(m, slot, acc, m.start - own.start, accumulate=True, dtype=dtype, sink=sink)
+                offset += m.nbytes
     if wide:
         target.copy_(acc)
     return sent
@@ -98,51 +110,67 @@ def direct_all_gather(
     own_base: int,
     sink: StatusSink,
     held: dict[tuple[int, int], torch.Tensor] | None = None,
+    copy_own: Callable[[], object] | None = None,
 ) -> None:
     """Fill every chunk of ``out`` from its owner; this rank's pieces are read from ``own``.
 
     ``own`` holds piece ``m`` at ``m.start - own_base`` (the all-gather input, or ``out`` itself).
-    The own chunk of ``out`` is not written here. ``held``: Pici payloads of what pieces of ``out``
+    The own chunk of ``out`` is written only by ``copy_own``, which runs once the transfers are
+    posted, so on a GPU the copy overlaps them. ``held``: Pici payloads of what pieces of ``out``
     hold now (by ``(start, numel)``), which turn Pici decodes of those pieces into patches.
     """
-    rank, p = transport.rank, transport.world
+    rank, p, ch = transport.rank, transport.world, layout.channels
     dtype = out.dtype
     right = (rank + 1) % p
     mine = [m for m in step.messages if m.src == rank and m.dst == right]  # one payload for every receiver
     theirs = step.received_by(rank)
     padded = step.route is Route.ALL_GATHER
-    size_of = [0] * p
-    for m in step.messages:
-        if m.dst == (m.src + 1) % p:
-            size_of[m.src] += m.nbytes
-    slot = step.slot_bytes if padded else size_of[rank]
-    recv_sizes = [step.slot_bytes if padded else size_of[q] for q in range(p)]
-    recv_offsets = [sum(recv_sizes[:q]) for q in range(p)]
-    sendbuf, recvbuf = carve(out.device, [slot, sum(recv_sizes)])
-    offset = 0
-    for m in mine:
-        encode(m, own, m.start - own_base, sendbuf[offset : offset + m.nbytes])
-        offset += m.nbytes
-    if padded:
-        work = transport.all_gather(recvbuf, sendbuf)
-        works = [] if work is None else [work]
-    else:
-        sends = [(d, sendbuf) for d in range(p) if d != rank]
-        recvs = [(q, recvbuf[recv_offsets[q] : recv_offsets[q] + recv_sizes[q]]) for q in range(p) if q != rank]
-        works = transport.send_recv(sends, recvs)
-    for w in works:
-        w.wait()
-    offsets = list(recv_offsets)
+    size_of = wave_sizes(step, p, ch)
+    recv_sizes = [[max(size_of[k]) if padded else size_of[k][q] for q in range(p)] for k in range(ch)]
+    bufs = carve(out.device, [*(sizes[rank] for sizes in recv_sizes), *map(sum, recv_sizes)])
+    sendbufs, recvbufs = bufs[:ch], bufs[ch:]
+    works = []
+    for k in range(ch):
+        offset = 0
+        for m in mine:
+            if m.piece == k:
+                encode(m, own, m.start - own_base, sendbufs[k][offset : offset + m.nbytes])
+                offset += m.nbytes
+        if padded:
+            work = transport.all_gather(recvbufs[k], sendbufs[k])
+            works.append([] if work is None else [work])
+        else:
+            at = _starts(recv_sizes[k])
+            sends = [(d, sendbufs[k]) for d in range(p) if d != rank]
+            recvs = [(q, recvbufs[k][at[q] : at[q] + recv_sizes[k][q]]) for q in range(p) if q != rank]
+            works.append(transport.send_recv(sends, recvs))
+    if copy_own is not None:
+        copy_own()
     patch_bound = PATCH_MAX_DENSITY * 4 / out.element_size()
-    for m in theirs:  # (src, piece) order: each source's pieces are packed in piece order
-        decode(
-            m,
-            recvbuf[offsets[m.src] : offsets[m.src] + m.nbytes],
-            out,
-            m.start,
-            accumulate=False,
-            dtype=dtype,
-            sink=sink,
-            prior=held.get((m.start, m.numel)) if held and m.nnz_bound <= patch_bound * m.numel else None,
-        )
-        offsets[m.src] += m.nbytes
+    for k, waiting in enumerate(works):
+        for w in waiting:
+            w.wait()
+        offsets = _starts(recv_sizes[k])
+        for m in theirs:  # (src, piece) order: each source's pieces are packed in piece order
+            if m.piece != k:
+                continue
+            decode(
+                m,
+                recvbufs[k][offsets[m.src] : offsets[m.src] + m.nbytes],
+                out,
+                m.start,
+                accumulate=False,
+                dtype=dtype,
+                sink=sink,
+                prior=held.get((m.start, m.numel)) if held and m.nnz_bound <= patch_bound * m.numel else None,
+            )
+            offsets[m.src] += m.nbytes
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    """Where each rank's region starts in a buffer packed in rank order."""
+    starts, total = [], 0
+    for size in sizes:
+        starts.append(total)
+        total += size
+    return starts

@@ -17,7 +17,7 @@ import logging
 import math
 import threading
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -504,9 +504,8 @@ def _run(
         th = config.thresholds.resolve(choice.format)
         own = layout.chunks[r]
         if collective == "all_gather":
-            if not aliased:
-                y[own.start : own.stop].copy_(x)
-            _gather_phase(choice.algorithm, transport, plan, layout, y, x, own.start, sink)
+            copy_own = None if aliased else functools.partial(y[own.start : own.stop].copy_, x)
+            _gather_phase(choice.algorithm, transport, plan, layout, y, x, own.start, sink, copy_own=copy_own)
         elif collective == "reduce_scatter":
             _scatter_phase(choice.algorithm, transport, plan, layout, x, y, sink, aliased)
         else:
@@ -711,8 +710,13 @@ def _gather_phase(
     own_base: int,
     sink: StatusSink,
     held: dict[tuple[int, int], torch.Tensor] | None = None,
+    copy_own: Callable[[], object] | None = None,
 ) -> None:
-    if algorithm == "ring":
-        ring_all_gather(transport, plan.steps, layout, out, own, own_base, sink)
-    elif plan.steps:
-        direct_all_gather(transport, plan.steps[0], layout, out, own, own_base, sink, held)
+    """The gather phase; ``copy_own`` (an all-gather's copy of its input into its own chunk) runs before
+    the ring, and while the direct algorithm's payloads are on the wire."""
+    if algorithm == "direct" and plan.steps:
+        direct_all_gather(transport, plan.steps[0], layout, out, own, own_base, sink, held, copy_own)
+        return
+    if copy_own is not None:
+        copy_own()
+    ring_all_gather(transport, plan.steps, layout, out, own, own_base, sink)

@@ -32,7 +32,9 @@ with no host synchronisation. Dense messages are the raw elements.
 
 Sizes: ``Message.nbytes`` is what travels. Ring messages are sent at their exact (or bounded)
 size from and into 16-byte aligned slots; direct messages are packed back to back, so each is
-rounded up to 16 bytes; the padded all-gather route sends ``Step.slot_bytes`` per rank.
+rounded up to 16 bytes; the padded all-gather route sends ``Step.slot_bytes`` per rank. A direct
+step with several pieces per chunk moves in waves, one exchange per piece index (see
+``_direct``); the padded route pads each wave to its largest payload (:func:`wave_sizes`).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ __all__ = [
     "plan_all_gather",
     "estimate_reduced_counts",
     "bound_reduced_counts",
+    "wave_sizes",
 ]
 
 COO_HEADER_BYTES = 16
@@ -152,7 +155,8 @@ class Step:
     messages: tuple[Message, ...]
     """Every message of the step, of every rank, in (src, chunk, piece) order."""
     slot_bytes: int = 0
-    """Route ``ALL_GATHER`` only: each rank's payloads, packed, padded to this size."""
+    """Route ``ALL_GATHER`` only: the bytes each rank sends every other rank, its payload of every
+    wave padded to the wave's largest (see :func:`wave_sizes`)."""
 
     def sent_by(self, rank: int) -> list[Message]:
         """The messages ``rank`` sends in this step."""
@@ -478,7 +482,6 @@ def plan_all_gather(
     if p == 1:
         return Plan(collective, algorithm, fmt, dtype, layout, topology, ())
     messages = []
-    totals = [0] * p
     for c in range(p):
         for d in range(p):
             if d == c:
@@ -488,16 +491,28 @@ def plan_all_gather(
                 if span.numel:
                     count = counts[c][k]
                     sigma = sparsity(span.numel, count)
-                    m = _message(c, d, c, k, layout, fmt, count, measured, sigma, threshold, inter, sizes, True)
-                    messages.append(m)
-                    if d == (c + 1) % p:
-                        totals[c] += m.nbytes
-    widest = max(totals)
-    if widest and p * widest <= PADDED_GATHER_SLACK * sum(totals):
-        step = Step(Phase.ALL_GATHER, 0, Route.ALL_GATHER, tuple(messages), slot_bytes=widest)
-    else:
-        step = Step(Phase.ALL_GATHER, 0, Route.P2P, tuple(messages))
+                    messages.append(
+                        _message(c, d, c, k, layout, fmt, count, measured, sigma, threshold, inter, sizes, True)
+                    )
+    step = Step(Phase.ALL_GATHER, 0, Route.P2P, tuple(messages))
+    by_wave = wave_sizes(step, p, ch)
+    padded = sum(max(wave) for wave in by_wave)
+    if padded and p * padded <= PADDED_GATHER_SLACK * sum(map(sum, by_wave)):
+        step = Step(Phase.ALL_GATHER, 0, Route.ALL_GATHER, tuple(messages), slot_bytes=padded)
     return Plan(collective, algorithm, fmt, dtype, layout, topology, (step,))
+
+
+def wave_sizes(step: Step, world: int, channels: int) -> list[list[int]]:
+    """``sizes[k][q]``: bytes of rank ``q``'s payload in wave ``k`` of a direct all-gather step.
+
+    Wave ``k`` carries piece ``k`` of every chunk; rank ``q`` sends the same payload to every
+    rank, so it is measured on the messages to its right neighbour.
+    """
+    sizes = [[0] * world for _ in range(channels)]
+    for m in step.messages:
+        if m.dst == (m.src + 1) % world:
+            sizes[m.piece][m.src] += m.nbytes
+    return sizes
 
 
 def estimate_reduced_counts(counts: Sequence[Sequence[int]], layout: ChunkLayout) -> list[list[int]]:
