@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spccl_train.collectives import ChunkLayout, CollectiveConfig, CostModel, Thresholds, Topology, choose
-from spccl_train.collectives.choice import clear_decisions, decide, quantize_counts
+from spccl_train.collectives.choice import NATIVE_MARGIN, clear_decisions, decide, quantize_counts
 from spccl_train.collectives.cost import CodecCost, LinkCost
 from spccl_train.collectives.plan import (
     bound_reduced_counts,
@@ -275,11 +275,28 @@ def test_auto_never_predicts_slower_than_dense(collective, world, density, bandw
     rates = CodecCost(compress=codec, decompress=codec, accumulate=codec, call_s=1e-6)
     model = _model(intra=LinkCost(latency_s=1e-6, bandwidth=bandwidth), pici=rates, coo=rates)
     best, weighed = _choose(collective, CollectiveConfig(), layout, _table(layout, density), model, rpn)
-    assert best.predicted_s <= weighed["native/dense"]
-    # the cheapest wins, unless only plans that send nothing sparse undercut native (they never win)
+    native = weighed["native/dense"]
+    assert best.predicted_s <= native
+    # the cheapest wins, unless only plans that send nothing sparse, or that save less than the
+    # margin, undercut native (they never win)
     assert math.isclose(best.predicted_s, min(weighed.values()), rel_tol=1e-9) or best.algorithm == "native"
     if best.algorithm != "native":
         assert any(m.sparse for m in best.plan.messages())
+        assert best.predicted_s < (1 - NATIVE_MARGIN) * native
+
+
+def test_near_ties_stay_native():
+    # the sparse plan's prediction rises past native's with the density: native keeps the call
+    # until sparse is predicted NATIVE_MARGIN faster
+    layout = ChunkLayout.equal(4 * 16 * TILE, 4)
+    cfg = CollectiveConfig(algorithm="direct")
+    ratios = []
+    for density in [i / 100 for i in range(1, 101)]:
+        best, weighed = _choose("all_gather", cfg, layout, _table(layout, density), _model())
+        ratio = min(t for name, t in weighed.items() if name != "native/dense") / weighed["native/dense"]
+        ratios.append(ratio)
+        assert (best.algorithm == "native") == (ratio >= 1 - NATIVE_MARGIN), (density, ratio)
+    assert min(ratios) < 1 - NATIVE_MARGIN and any(1 - NATIVE_MARGIN < r < 1 for r in ratios), ratios
 
 
 def test_plans_that_send_nothing_sparse_never_beat_native():
