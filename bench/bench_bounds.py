@@ -16,7 +16,8 @@ verified against NCCL's result after its warm-up and again after the timed loop.
 the host time to issue one call (no synchronisation in between; the calls with an exchange
 synchronise by design, so theirs is their whole time).
 
-Prints a table (the slowest rank's mean per call, the ratio to eager NCCL of the same run) and
+Prints a table (the slowest rank's mean per call, the ratio to eager NCCL of the same run),
+writes a PNG of speedup heatmaps beside the CSV (``--plot CSV`` redraws one without running), and
 writes ``bench/results/collectives_bounds_<device>x<world>_<date>[tags].csv`` with date, device,
 world size and commit.
 """
@@ -150,8 +151,53 @@ def _case(args: argparse.Namespace, collective: str, sparsity: float, nbytes: in
     return rows
 
 
+def plot(csv_path: pathlib.Path) -> pathlib.Path | None:
+    """Speedup heatmaps of a CSV this script wrote: a panel per collective and SpCCL variant,
+    sizes by sparsity, each cell the ratio to eager NCCL (green above 1). Returns the PNG's path
+    (``None`` without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing: no heatmap", flush=True)
+        return None
+    with csv_path.open() as f:
+        rows = [row for row in csv.DictReader(f) if not row["variant"].startswith("nccl")]
+    panels = sorted({(row["collective"], row["variant"]) for row in rows})
+    sizes = sorted({int(row["bytes"]) for row in rows})
+    sparsities = sorted({float(row["sparsity"]) for row in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels) + 1, 0.5 * len(sizes) + 2), squeeze=False)
+    for ax, (collective, variant) in zip(axes[0], panels):
+        grid = [[float("nan")] * len(sparsities) for _ in sizes]
+        for row in rows:
+            if (row["collective"], row["variant"]) == (collective, variant):
+                grid[sizes.index(int(row["bytes"]))][sparsities.index(float(row["sparsity"]))] = float(
+                    row["speedup_vs_nccl"]
+                )
+        ax.imshow(grid, cmap="RdYlGn", norm=matplotlib.colors.LogNorm(0.25, 4.0), aspect="auto")
+        for i, line in enumerate(grid):
+            for j, value in enumerate(line):
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(sparsities)), [f"{sp:g}" for sp in sparsities])
+        ax.set_yticks(range(len(sizes)), [size_label(n) for n in sizes])
+        ax.set_xlabel("sparsity %")
+        ax.set_title(f"{collective}\n{variant}", fontsize=9)
+    first = rows[0] if rows else {"device": "?", "world": "?", "channels": "?", "commit": "?"}
+    fig.suptitle(
+        f"speedup over NCCL, {first['device']} x{first['world']}, channels {first['channels']}, {first['commit']}"
+    )
+    fig.tight_layout()
+    png = csv_path.with_suffix(".png")
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--plot", type=pathlib.Path, help="only draw the heatmaps of a CSV this script wrote")
     parser.add_argument("--sizes", nargs="+", type=parse_size, default=[1 << 30, 1 << 28, 1 << 26])
     parser.add_argument(
         "--sparsity", nargs="+", type=float, default=[99.0], help="percents of zeros in each rank's input"
@@ -166,6 +212,9 @@ def main() -> None:
     )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
     args = parser.parse_args()
+    if args.plot is not None:
+        print(f"wrote {plot(args.plot)}")
+        return
     for sp in args.sparsity:
         if not 0.0 <= sp < 100.0:
             parser.error(f"--sparsity {sp}: must lie in [0, 100)")
@@ -207,7 +256,7 @@ def main() -> None:
                     [now.isoformat(timespec="seconds"), device, p, git_commit(), torch.__version__, c, nbytes, sp]
                     + [args.channels, name, plan, f"{ms:.4f}", f"{base[c, sp, nbytes] / ms:.3f}", f"{host_ms:.4f}"]
                 )
-        print(f"wrote {path}")
+        print(f"wrote {path} and {plot(path)}")
     dist.destroy_process_group()
 
 

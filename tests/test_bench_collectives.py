@@ -91,3 +91,28 @@ def test_bad_argument_fails_before_joining_a_job():
         timeout=60,
     )
     assert done.returncode == 2 and "method 'pici/none' is not one of" in done.stderr, done.stderr
+
+
+def test_bounds_bench_redraws_its_heatmaps(tmp_path):
+    # bench_bounds.py needs NCCL to measure; its --plot mode draws a CSV it wrote, here one row of each kind
+    path = tmp_path / "collectives_bounds_x.csv"
+    header = "date,device,world,commit,torch,collective,bytes,sparsity,channels,variant,plan,ms,speedup_vs_nccl,host_ms"
+    rows = [
+        f"d,GPU,4,abc,t,{c},{n},{sp},1,{v},p,1.0,{1.5 if v != 'nccl' else 1.0},nan"
+        for c in ("all_reduce", "all_gather")
+        for n in (1 << 26, 1 << 30)
+        for sp in (0.0, 99.0)
+        for v in ("nccl", "auto+bounds+graph")
+    ]
+    path.write_text("\n".join([header, *rows]) + "\n")
+    done = subprocess.run(
+        [sys.executable, str(BENCH.parent / "bench_bounds.py"), "--plot", str(path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=BENCH.parent.parent,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert path.with_suffix(".png").stat().st_size > 0
