@@ -4,7 +4,7 @@ Run on the GPU machine::
 
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node=4 bench/bench_bounds.py [--sizes 1G 256M 64M] \
         [--collectives all_reduce all_gather reduce_scatter] [--sparsity 99 95 ...] [--channels 1] \
-        [--methods auto pici/direct ...] [--paths exchange bounds bounds+graph]
+        [--methods auto pici/direct ...] [--paths exchange bounds bounds+graph] [--iterations 50]
 
 fp32, i.i.d. sparsity (99% unless --sparsity says otherwise; a distinct seed per rank); the bounds
 are 1.2x each piece's expected share of nonzeros. A size is the whole tensor, as in
@@ -41,7 +41,6 @@ from spccl_train._provenance import git_commit
 from spccl_train.collectives import CollectiveConfig, clear_graphs, last_stats
 from spccl_train.collectives.chunking import ChunkLayout
 
-ITERATIONS = 20
 SLACK = 1.2
 PATHS = ("exchange", "bounds", "bounds+graph")
 NATIVE = {
@@ -67,7 +66,7 @@ def _max_over_ranks(value: float, device: torch.device) -> float:
     return t.item()
 
 
-def _loop_ms(fn, device: torch.device, iterations: int = ITERATIONS) -> float:
+def _loop_ms(fn, device: torch.device, iterations: int) -> float:
     torch.cuda.synchronize()
     dist.barrier()
     t0 = time.perf_counter()
@@ -116,7 +115,7 @@ def _case(args: argparse.Namespace, collective: str, sparsity: float, nbytes: in
         if not torch.allclose(out, ref, rtol=1e-5, atol=1e-5):
             raise AssertionError(f"{collective} {name}: result differs from NCCL's {when}")
 
-    refill_ms = _loop_ms(refill, dev)
+    refill_ms = _loop_ms(refill, dev, args.iterations)
     variants = [("nccl", lambda: NATIVE[collective](out, buf), False)]
     graph = torch.cuda.CUDAGraph()
     variants.append(("nccl+graph", graph.replay, False))
@@ -142,7 +141,7 @@ def _case(args: argparse.Namespace, collective: str, sparsity: float, nbytes: in
         torch.cuda.synchronize()
         check(name, "after the warm-up")
         stats = last_stats() if name.startswith(tuple(METHODS)) else None
-        ms = _loop_ms(lambda: (refill(), call()), dev) - refill_ms
+        ms = _loop_ms(lambda: (refill(), call()), dev, args.iterations) - refill_ms
         check(name, "after the timed loop")
         host_ms = _host_ms(call, dev) if host else float("nan")
         plan = f"{stats.algorithm}/{stats.format.value}" if stats is not None else "native"
@@ -206,6 +205,12 @@ def main() -> None:
     parser.add_argument(
         "--paths", nargs="+", choices=PATHS, default=list(PATHS), help="how SpCCL calls plan: counts, bounds, graphed"
     )
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=50,
+        help="timed calls per variant; the first call's host latency is spread over them",
+    )
     parser.add_argument("--channels", type=int, default=1, help="pieces per chunk (CollectiveConfig.channels)")
     parser.add_argument(
         "--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="SpCCL configs to run"
@@ -246,7 +251,18 @@ def main() -> None:
             ]
         )
         path = args.out / f"collectives_bounds_{slug(device)}x{p}_{now:%Y-%m-%d}{tag}.csv"
-        header = ["date", "device", "world", "commit", "torch", "collective", "bytes", "sparsity", "channels"]
+        header = [
+            "date",
+            "device",
+            "world",
+            "commit",
+            "torch",
+            "collective",
+            "bytes",
+            "sparsity",
+            "channels",
+            "iterations",
+        ]
         header += ["variant", "plan", "ms", "speedup_vs_nccl", "host_ms"]
         with path.open("w", newline="") as f:
             writer = csv.writer(f)
@@ -254,7 +270,15 @@ def main() -> None:
             for c, sp, nbytes, name, plan, ms, host_ms in rows:
                 writer.writerow(
                     [now.isoformat(timespec="seconds"), device, p, git_commit(), torch.__version__, c, nbytes, sp]
-                    + [args.channels, name, plan, f"{ms:.4f}", f"{base[c, sp, nbytes] / ms:.3f}", f"{host_ms:.4f}"]
+                    + [
+                        args.channels,
+                        args.iterations,
+                        name,
+                        plan,
+                        f"{ms:.4f}",
+                        f"{base[c, sp, nbytes] / ms:.3f}",
+                        f"{host_ms:.4f}",
+                    ]
                 )
         print(f"wrote {path} and {plot(path)}")
     dist.destroy_process_group()
