@@ -25,6 +25,7 @@ failure; failures print it).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import os
 import random
@@ -706,10 +707,10 @@ def test_shapes_autograd_and_empty_tensors(pools):
 
 def _job_gather_routes(rank, world, seed):
     routes = []
-    for support in ("random", "skewed"):
+    for support, channels in itertools.product(("random", "skewed"), (1, 2)):
         xs = _inputs(_seed(seed, support), world, 3 * TILE, torch.float32, 0.9, support)
-        cfg = CollectiveConfig(format="pici", algorithm="direct")
-        _run_one(rank, world, "all_gather", xs, cfg, f"direct all-gather {support}")
+        cfg = CollectiveConfig(format="pici", algorithm="direct", channels=channels)
+        _run_one(rank, world, "all_gather", xs, cfg, f"direct all-gather {support} ch={channels}")
         stats = last_stats()
         routes.append(stats.plan.steps[0].route.value)
         step = stats.plan.steps[0]
@@ -722,7 +723,23 @@ def _job_gather_routes(rank, world, seed):
 
 def test_direct_all_gather_pads_only_balanced_payloads(pools):
     routes = pools(3).run(_job_gather_routes, _seed("routes"))
-    assert routes[0] == ["all_gather", "p2p"]
+    assert routes[0] == ["all_gather", "all_gather", "p2p", "p2p"]  # (random, skewed) x (1, 2 waves)
+
+
+def _job_empty_waves(rank, world, seed):
+    # more pieces than elements: some waves are empty on every rank, some on a few (uneven chunks)
+    for collective, algorithm, fmt in itertools.product(COLLECTIVES, ("direct", "ring"), ("pici", "coo")):
+        for n, channels in ((5, 5), (13, 4), (2 * world + 1, 3)):
+            n = n * world if collective == "reduce_scatter" else n
+            for sparsity in (0.0, 0.7, 1.0):
+                xs = _inputs(_seed(seed, collective, n, sparsity), world, n, torch.float32, sparsity, "random")
+                cfg = CollectiveConfig(format=fmt, algorithm=algorithm, channels=channels)
+                what = f"{collective} {algorithm} {fmt} n={n} ch={channels} sparsity={sparsity}"
+                _run_one(rank, world, collective, xs, cfg, what)
+
+
+def test_waves_with_empty_pieces(pools):
+    pools(3).run(_job_empty_waves, _seed("empty waves"))
 
 
 def _job_bytes(rank, world, seed):

@@ -152,7 +152,6 @@ def test_experiment_config_picks_the_optimizer():
         cfg.validate()
 
 
-
 @settings(deadline=None, max_examples=8)
 @given(st.integers(1, 5000), st.floats(0.0, 0.9), st.sampled_from([None, 3]), st.sampled_from([0.0, 0.9]))
 def test_fused_step_matches_the_torch_ops(n, drop, max_age, beta1):

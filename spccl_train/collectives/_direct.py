@@ -30,7 +30,7 @@ from ..formats import Format
 from ..transport import P2PTransport
 from ._wire import StatusSink, carve, decode, encode
 from .chunking import ChunkLayout
-from .plan import Route, Step, wave_sizes
+from .plan import Message, Route, Step, wave_sizes
 
 __all__ = ["direct_reduce_scatter", "direct_all_gather"]
 
@@ -58,12 +58,13 @@ def direct_reduce_scatter(
     rank, p, ch = transport.rank, transport.world, layout.channels
     dtype = x.dtype
     own = layout.chunks[rank]
-    sends, recvs = step.sent_by(rank), step.received_by(rank)
+    send_waves, recv_waves = _by_wave(step.sent_by(rank), ch), _by_wave(step.received_by(rank), ch)
     in_splits, out_splits = [[0] * p for _ in range(ch)], [[0] * p for _ in range(ch)]
-    for m in sends:
-        in_splits[m.piece][m.dst] += m.nbytes
-    for m in recvs:
-        out_splits[m.piece][m.src] += m.nbytes
+    for k in range(ch):
+        for m in send_waves[k]:
+            in_splits[k][m.dst] += m.nbytes
+        for m in recv_waves[k]:
+            out_splits[k][m.src] += m.nbytes
     wide = dtype != torch.float32
     bufs = carve(x.device, [*map(sum, in_splits), *map(sum, out_splits), 4 * own.numel if wide else 0])
     sendbufs, recvbufs, wide_acc = bufs[:ch], bufs[ch : 2 * ch], bufs[-1]
@@ -71,13 +72,12 @@ def direct_reduce_scatter(
     works = []
     for k in range(ch):
         offset = 0
-        for m in sends:  # (dst, piece) order: the all-to-all's input order
-            if m.piece == k:
-                slot = sendbufs[k][offset : offset + m.nbytes]
-                encode(m, x, m.start, slot)
-                if m.format is Format.PICI:
-                    sent[(m.start, m.numel)] = slot
-                offset += m.nbytes
+        for m in send_waves[k]:  # dst order: the all-to-all's input order
+            slot = sendbufs[k][offset : offset + m.nbytes]
+            encode(m, x, m.start, slot)
+            if m.format is Format.PICI:
+                sent[(m.start, m.numel)] = slot
+            offset += m.nbytes
         works.append(transport.all_to_all(recvbufs[k], sendbufs[k], out_splits[k], in_splits[k]))
     target = x[own.start : own.stop] if out is None else out
     if wide:
@@ -91,11 +91,10 @@ def direct_reduce_scatter(
         if work is not None:
             work.wait()
         offset = 0
-        for m in recvs:  # (src, piece) order: the all-to-all's output order
-            if m.piece == k:
-                slot = recvbufs[k][offset : offset + m.nbytes]
-                decode(m, slot, acc, m.start - own.start, accumulate=True, dtype=dtype, sink=sink)
-                offset += m.nbytes
+        for m in recv_waves[k]:  # src order: the all-to-all's output order
+            slot = recvbufs[k][offset : offset + m.nbytes]
+            decode(m, slot, acc, m.start - own.start, accumulate=True, dtype=dtype, sink=sink)
+            offset += m.nbytes
     if wide:
         target.copy_(acc)
     return sent
@@ -122,8 +121,9 @@ def direct_all_gather(
     rank, p, ch = transport.rank, transport.world, layout.channels
     dtype = out.dtype
     right = (rank + 1) % p
-    mine = [m for m in step.messages if m.src == rank and m.dst == right]  # one payload for every receiver
-    theirs = step.received_by(rank)
+    # one payload for every receiver; each source's pieces in piece order
+    mine = _by_wave([m for m in step.messages if m.src == rank and m.dst == right], ch)
+    theirs = _by_wave(step.received_by(rank), ch)
     padded = step.route is Route.ALL_GATHER
     size_of = wave_sizes(step, p, ch)
     recv_sizes = [[max(size_of[k]) if padded else size_of[k][q] for q in range(p)] for k in range(ch)]
@@ -132,10 +132,9 @@ def direct_all_gather(
     works = []
     for k in range(ch):
         offset = 0
-        for m in mine:
-            if m.piece == k:
-                encode(m, own, m.start - own_base, sendbufs[k][offset : offset + m.nbytes])
-                offset += m.nbytes
+        for m in mine[k]:
+            encode(m, own, m.start - own_base, sendbufs[k][offset : offset + m.nbytes])
+            offset += m.nbytes
         if padded:
             work = transport.all_gather(recvbufs[k], sendbufs[k])
             works.append([] if work is None else [work])
@@ -151,9 +150,7 @@ def direct_all_gather(
         for w in waiting:
             w.wait()
         offsets = _starts(recv_sizes[k])
-        for m in theirs:  # (src, piece) order: each source's pieces are packed in piece order
-            if m.piece != k:
-                continue
+        for m in theirs[k]:
             decode(
                 m,
                 recvbufs[k][offsets[m.src] : offsets[m.src] + m.nbytes],
@@ -165,6 +162,14 @@ def direct_all_gather(
                 prior=held.get((m.start, m.numel)) if held and m.nnz_bound <= patch_bound * m.numel else None,
             )
             offsets[m.src] += m.nbytes
+
+
+def _by_wave(messages: list[Message], channels: int) -> list[list[Message]]:
+    """``messages`` split by piece index (wave), each wave in the order given."""
+    waves = [[] for _ in range(channels)]
+    for m in messages:
+        waves[m.piece].append(m)
+    return waves
 
 
 def _starts(sizes: list[int]) -> list[int]:

@@ -133,7 +133,7 @@ def choose(
 
 
 NATIVE_MARGIN = 0.1
-"""A sparse candidate replaces the native collective only when predicted at least this fraction
+"""A sparse candidate replaces the native collective only when predicted more than this fraction
 faster. The model's codec speeds do not depend on sparsity and its fixed costs are fitted, so
 near-ties are noise: on 4 H200s a 64 MiB all-gather at 50% sparsity predicted 1% faster than NCCL
 measured 10% slower (``bench/bench_bounds.py``, 2026-11-22)."""

@@ -4,9 +4,9 @@ A plan's time is predicted step by step. In a ring step every rank encodes what 
 (reduce-scatter steps and the first gather step; forwarded gather payloads are not re-encoded),
 puts it on the link (``latency + bytes / bandwidth`` of the intra- or inter-node link) and decodes
 what it receives (accumulate in a reduction, overwrite in a gather); the step takes as long as
-its slowest rank, and steps add up. A direct step (one all-to-all or all-gather) costs each rank
-its encodes, then the larger of its outgoing and incoming wire time plus one latency per peer,
-then its decodes; the slowest rank sets the time. The dense baseline (the native
+its slowest rank, and steps add up. A direct step (one all-to-all or all-gather per wave of
+pieces) costs each rank its encodes, then the larger of its outgoing and incoming wire time plus
+one latency per peer and wave, then its decodes; the slowest rank sets the time. The dense baseline (the native
 ``torch.distributed`` collective) is a ring at the slowest link's speed. Every prediction
 includes the count passes and planning exchanges (one; two for a sparse all-reduce); the dense
 baseline pays one too, since the call counts before it can choose.
@@ -248,7 +248,7 @@ class CostModel:
         p = plan.world
         encode, decode = [0.0] * p, [0.0] * p
         out_wire, in_wire = [0.0] * p, [0.0] * p
-        peers: set[tuple[int, int]] = set()
+        peers: set[tuple[int, int, int]] = set()  # (src, dst, wave): each wave is its own exchange
         encoded: set[tuple[int, int, int]] = set()
         for m in step.messages:
             key = (m.src, m.chunk, m.piece)
@@ -260,17 +260,18 @@ class CostModel:
                 wire = m.nbytes / self.link(m.inter_node).bandwidth
                 out_wire[m.src] += wire
                 in_wire[m.dst] += wire
-            peers.add((m.src, m.dst))
+            peers.add((m.src, m.dst, m.piece))
         if step.route is Route.ALL_GATHER:
+            waves = {m.piece for m in step.messages}
             for src in range(p):
                 for dst in range(p):
                     if src != dst:
                         wire = step.slot_bytes / self.link(plan.topology.is_inter(src, dst)).bandwidth
                         out_wire[src] += wire
                         in_wire[dst] += wire
-                        peers.add((src, dst))
+                        peers.update((src, dst, k) for k in waves)
         latency = [0.0] * p
-        for src, dst in peers:
+        for src, dst, _ in peers:
             latency[src] += self.link(plan.topology.is_inter(src, dst)).latency_s
         return max(encode[r] + max(out_wire[r], in_wire[r]) + latency[r] + decode[r] for r in range(p))
 
