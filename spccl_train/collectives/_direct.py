@@ -14,8 +14,9 @@ piece ``k`` of every chunk), posted as soon as its pieces are encoded. On a GPU 
 wave ``k`` runs on NCCL's stream while wave ``k + 1`` encodes, and wave ``k`` is decoded while
 wave ``k + 1`` is on the wire.
 
-All-reduce runs both in place. Its gather phase writes over chunks that still hold this rank's
-own contribution, which the reduce-scatter encoded. Where both are Pici and the reduced piece is
+All-reduce runs both in place, wave by wave: the gather of wave ``k`` is posted as soon as wave
+``k`` is summed (:func:`direct_all_reduce`). Its gather phase writes over chunks that still hold
+this rank's own contribution, which the reduce-scatter encoded. Where both are Pici and the reduced piece is
 very sparse, the decode is a patch that writes only the elements either payload marks
 (``decompress_into(prior=)``) instead of the whole piece.
 """
@@ -32,7 +33,7 @@ from ._wire import StatusSink, carve, decode, encode
 from .chunking import ChunkLayout
 from .plan import Message, Route, Step, wave_sizes
 
-__all__ = ["direct_reduce_scatter", "direct_all_gather"]
+__all__ = ["direct_reduce_scatter", "direct_all_gather", "direct_all_reduce"]
 
 PATCH_MAX_DENSITY = 0.02
 """Most nonzeros per 4 bytes of a piece (its bound) for which a gather decode patches. Scattered
@@ -49,11 +50,13 @@ def direct_reduce_scatter(
     x: torch.Tensor,
     out: torch.Tensor | None,
     sink: StatusSink,
+    after_wave: Callable[[int], object] | None = None,
 ) -> dict[tuple[int, int], torch.Tensor]:
     """Sum chunk ``rank`` of every rank's ``x`` into ``out`` (``None``: into ``x``'s own chunk).
 
     ``x`` is read only when ``out`` is given; ``out`` may be ``x``'s own chunk (in place). Returns
     the Pici payloads this rank sent, by piece ``(start, numel)``: what those pieces of ``x`` hold.
+    ``after_wave(k)`` is called as soon as piece ``k`` of the result is final.
     """
     rank, p, ch = transport.rank, transport.world, layout.channels
     dtype = x.dtype
@@ -95,8 +98,12 @@ def direct_reduce_scatter(
             slot = recvbufs[k][offset : offset + m.nbytes]
             decode(m, slot, acc, m.start - own.start, accumulate=True, dtype=dtype, sink=sink)
             offset += m.nbytes
-    if wide:
-        target.copy_(acc)
+        if wide:  # piece k is summed: round it once
+            piece = layout.pieces[rank][k]
+            span = slice(piece.start - own.start, piece.stop - own.start)
+            target[span].copy_(acc[span])
+        if after_wave is not None:
+            after_wave(k)
     return sent
 
 
@@ -115,53 +122,97 @@ def direct_all_gather(
 
     ``own`` holds piece ``m`` at ``m.start - own_base`` (the all-gather input, or ``out`` itself).
     The own chunk of ``out`` is written only by ``copy_own``, which runs once the transfers are
-    posted, so on a GPU the copy overlaps them. ``held``: Pici payloads of what pieces of ``out``
-    hold now (by ``(start, numel)``), which turn Pici decodes of those pieces into patches.
+    posted, so on a GPU the copy overlaps them. ``held``: as for :meth:`_Gather.finish`.
     """
-    rank, p, ch = transport.rank, transport.world, layout.channels
-    dtype = out.dtype
-    right = (rank + 1) % p
-    # one payload for every receiver; each source's pieces in piece order
-    mine = _by_wave([m for m in step.messages if m.src == rank and m.dst == right], ch)
-    theirs = _by_wave(step.received_by(rank), ch)
-    padded = step.route is Route.ALL_GATHER
-    size_of = wave_sizes(step, p, ch)
-    recv_sizes = [[max(size_of[k]) if padded else size_of[k][q] for q in range(p)] for k in range(ch)]
-    bufs = carve(out.device, [*(sizes[rank] for sizes in recv_sizes), *map(sum, recv_sizes)])
-    sendbufs, recvbufs = bufs[:ch], bufs[ch:]
-    works = []
-    for k in range(ch):
-        offset = 0
-        for m in mine[k]:
-            encode(m, own, m.start - own_base, sendbufs[k][offset : offset + m.nbytes])
-            offset += m.nbytes
-        if padded:
-            work = transport.all_gather(recvbufs[k], sendbufs[k])
-            works.append([] if work is None else [work])
-        else:
-            at = _starts(recv_sizes[k])
-            sends = [(d, sendbufs[k]) for d in range(p) if d != rank]
-            recvs = [(q, recvbufs[k][at[q] : at[q] + recv_sizes[k][q]]) for q in range(p) if q != rank]
-            works.append(transport.send_recv(sends, recvs))
+    gather = _Gather(transport, step, layout, out, own, own_base, sink)
+    for k in range(layout.channels):
+        gather.post(k)
     if copy_own is not None:
         copy_own()
-    patch_bound = PATCH_MAX_DENSITY * 4 / out.element_size()
-    for k, waiting in enumerate(works):
-        for w in waiting:
-            w.wait()
-        offsets = _starts(recv_sizes[k])
-        for m in theirs[k]:
-            decode(
-                m,
-                recvbufs[k][offsets[m.src] : offsets[m.src] + m.nbytes],
-                out,
-                m.start,
-                accumulate=False,
-                dtype=dtype,
-                sink=sink,
-                prior=held.get((m.start, m.numel)) if held and m.nnz_bound <= patch_bound * m.numel else None,
-            )
-            offsets[m.src] += m.nbytes
+    gather.finish(held)
+
+
+def direct_all_reduce(
+    transport: P2PTransport, scatter: Step, gather: Step, layout: ChunkLayout, x: torch.Tensor, sink: StatusSink
+) -> None:
+    """Sum ``x`` over the ranks in place: the direct reduce-scatter, then the direct all-gather.
+
+    The gather of wave ``k`` is encoded and posted as soon as the reduce-scatter has summed wave
+    ``k``, before the later waves are summed, so on a GPU its transfer runs beside their
+    accumulation. Its decodes patch pieces that stay sparse (see :data:`PATCH_MAX_DENSITY`): the
+    pieces of ``x`` still hold what this rank sent in the reduce-scatter.
+    """
+    phase = _Gather(transport, gather, layout, x, x, 0, sink)
+    held = direct_reduce_scatter(transport, scatter, layout, x, None, sink, after_wave=phase.post)
+    phase.finish(held)
+
+
+class _Gather:
+    """A direct all-gather step with its buffers carved: :meth:`post` each wave, then :meth:`finish`."""
+
+    def __init__(
+        self,
+        transport: P2PTransport,
+        step: Step,
+        layout: ChunkLayout,
+        out: torch.Tensor,
+        own: torch.Tensor,
+        own_base: int,
+        sink: StatusSink,
+    ) -> None:
+        rank, p, ch = transport.rank, transport.world, layout.channels
+        self._transport, self._out, self._own, self._own_base, self._sink = transport, out, own, own_base, sink
+        # one payload for every receiver; each source's pieces in piece order
+        self._mine = _by_wave([m for m in step.messages if m.src == rank and m.dst == (rank + 1) % p], ch)
+        self._theirs = _by_wave(step.received_by(rank), ch)
+        self._padded = step.route is Route.ALL_GATHER
+        size_of = wave_sizes(step, p, ch)
+        self._recv_sizes = [[max(size_of[k]) if self._padded else size_of[k][q] for q in range(p)] for k in range(ch)]
+        bufs = carve(out.device, [*(sizes[rank] for sizes in self._recv_sizes), *map(sum, self._recv_sizes)])
+        self._sendbufs, self._recvbufs = bufs[:ch], bufs[ch:]
+        self._works: list[list] = []
+
+    def post(self, k: int) -> None:
+        """Encode this rank's piece ``k`` and post wave ``k``'s exchange (waves in order 0, 1, ...)."""
+        transport, rank, p = self._transport, self._transport.rank, self._transport.world
+        sendbuf, recvbuf, sizes = self._sendbufs[k], self._recvbufs[k], self._recv_sizes[k]
+        offset = 0
+        for m in self._mine[k]:
+            encode(m, self._own, m.start - self._own_base, sendbuf[offset : offset + m.nbytes])
+            offset += m.nbytes
+        if self._padded:
+            work = transport.all_gather(recvbuf, sendbuf)
+            self._works.append([] if work is None else [work])
+        else:
+            at = _starts(sizes)
+            sends = [(d, sendbuf) for d in range(p) if d != rank]
+            recvs = [(q, recvbuf[at[q] : at[q] + sizes[q]]) for q in range(p) if q != rank]
+            self._works.append(transport.send_recv(sends, recvs))
+
+    def finish(self, held: dict[tuple[int, int], torch.Tensor] | None = None) -> None:
+        """Wait for each posted wave and decode it into the other chunks of ``out``.
+
+        ``held``: Pici payloads of what pieces of ``out`` hold now (by ``(start, numel)``), which turn
+        Pici decodes of those pieces into patches.
+        """
+        out = self._out
+        patch_bound = PATCH_MAX_DENSITY * 4 / out.element_size()
+        for k, waiting in enumerate(self._works):
+            for w in waiting:
+                w.wait()
+            offsets = _starts(self._recv_sizes[k])
+            for m in self._theirs[k]:
+                decode(
+                    m,
+                    self._recvbufs[k][offsets[m.src] : offsets[m.src] + m.nbytes],
+                    out,
+                    m.start,
+                    accumulate=False,
+                    dtype=out.dtype,
+                    sink=self._sink,
+                    prior=held.get((m.start, m.numel)) if held and m.nnz_bound <= patch_bound * m.numel else None,
+                )
+                offsets[m.src] += m.nbytes
 
 
 def _by_wave(messages: list[Message], channels: int) -> list[list[Message]]:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .._timing import Span
 from ..formats import MAX_ELEMENTS, SUPPORTED_DTYPES, Format
 from ..transport import P2PTransport
-from ._direct import direct_all_gather, direct_reduce_scatter
+from ._direct import direct_all_gather, direct_all_reduce, direct_reduce_scatter
 from ._ring import ring_all_gather, ring_reduce_scatter
 from ._wire import StatusSink
 from .choice import decide, plan_candidate
@@ -509,25 +509,32 @@ def _run(
         elif collective == "reduce_scatter":
             _scatter_phase(choice.algorithm, transport, plan, layout, x, y, sink, aliased)
         else:
-            held = _scatter_phase(choice.algorithm, transport, plan, layout, x, None, sink, False)
             measured = choice.gather_counts == "measured"
-            if measured:
-                reduced = exchange_reduced_counts(transport, count_nonzero_pieces(x, layout, [r], base=0), xdev)
-                exchanges += 1
-            else:  # sized for what the sums can hold: no second exchange
-                reduced = bound_reduced_counts(table, layout)
-            gather = plan_all_gather(
-                reduced,
-                layout,
-                inp.dtype,
-                fmt=choice.format,
-                algorithm=choice.algorithm,
-                threshold=th.ag,
-                topology=topology,
-                collective="all_reduce",
-                measured=measured,
-            )
-            _gather_phase(choice.algorithm, transport, gather, layout, x, x, 0, sink, held)
+
+            def plan_gather(counts: list[list[int]]) -> Plan:
+                return plan_all_gather(
+                    counts,
+                    layout,
+                    inp.dtype,
+                    fmt=choice.format,
+                    algorithm=choice.algorithm,
+                    threshold=th.ag,
+                    topology=topology,
+                    collective="all_reduce",
+                    measured=measured,
+                )
+
+            if not measured:  # sized for what the sums can hold: no second exchange
+                gather = plan_gather(bound_reduced_counts(table, layout))
+            if choice.algorithm == "direct" and not measured:  # both phases known: interleaved by wave
+                direct_all_reduce(transport, plan.steps[0], gather.steps[0], layout, x, sink)
+            else:
+                held = _scatter_phase(choice.algorithm, transport, plan, layout, x, None, sink, False)
+                if measured:
+                    reduced = exchange_reduced_counts(transport, count_nonzero_pieces(x, layout, [r], base=0), xdev)
+                    exchanges += 1
+                    gather = plan_gather(reduced)
+                _gather_phase(choice.algorithm, transport, gather, layout, x, x, 0, sink, held)
             plan = plan.then(gather)
         sent, dense = plan.bytes_sent(r), plan.dense_bytes(r)
     event = timer.stop()
