@@ -118,10 +118,12 @@ class CollectiveConfig:
     """Pieces each chunk is cut into (1 to 64). Each piece is its own message, so on a GPU the
     compression of piece k+1 overlaps the transfer of piece k (the direct algorithm moves the
     pieces in waves, one exchange per piece index); more pieces also make the per-message format
-    decisions finer. Measured on 4 H200s (bounds and CUDA graphs, 99% sparse fp32): 2 pieces made
-    1 GiB all-reduces, all-gathers and reduce-scatters 5-10% faster than 1, 256 MiB all-reduces
-    and all-gathers 8-13% slower; 4 pieces were slower at both sizes. Must be equal on every rank:
-    it sizes the count exchange."""
+    decisions finer; a direct all-reduce sized from bounds also posts each wave's gather as soon as
+    the wave is summed. Measured on 4 H200s (bounds and CUDA graphs, 99% sparse fp32): 2 pieces
+    made 1 GiB all-reduces 14% faster than 1, all-gathers 5% and reduce-scatters 9%; at 256 MiB
+    all-reduces 2% and reduce-scatters 6% faster, all-gathers 12% slower; 4 pieces (before the
+    interleaving) were slower at both sizes. Must be equal on every rank: it sizes the count
+    exchange."""
     cuda_graphs: bool = False
     """CUDA only: run the second call of a kind (same sizes, dtype, group, config, bounds and
     ``graph_tag``) as a captured CUDA graph and replay it from then on (:mod:`.graphs`), so a call
