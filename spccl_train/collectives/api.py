@@ -524,9 +524,9 @@ def _run(
                     measured=measured,
                 )
 
-            if not measured:  # sized for what the sums can hold: no second exchange
-                gather = plan_gather(bound_reduced_counts(table, layout))
-            if choice.algorithm == "direct" and not measured:  # both phases known: interleaved by wave
+            # sized for what the sums can hold (no second exchange), or after measuring below
+            gather = None if measured else plan_gather(bound_reduced_counts(table, layout))
+            if choice.algorithm == "direct" and gather is not None:  # both phases known: interleaved by wave
                 direct_all_reduce(transport, plan.steps[0], gather.steps[0], layout, x, sink)
             else:
                 held = _scatter_phase(choice.algorithm, transport, plan, layout, x, None, sink, False)
