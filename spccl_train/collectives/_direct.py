@@ -17,10 +17,10 @@ wave ``k + 1`` is on the wire.
 All-reduce runs both in place. When its gather phase is sized from bounds (no second count
 exchange), both phases are planned up front and the gather of wave ``k`` is posted as soon as
 wave ``k`` is summed (:func:`direct_all_reduce`); its transfer then runs beside the later waves'
-accumulation (NCCL queues it behind the reduce-scatter's transfers). Its gather phase writes over chunks that still hold
-this rank's own contribution, which the reduce-scatter encoded. Where both are Pici and the reduced piece is
-very sparse, the decode is a patch that writes only the elements either payload marks
-(``decompress_into(prior=)``) instead of the whole piece.
+accumulation (NCCL queues it behind the reduce-scatter's transfers). The gather phase writes
+over chunks that still hold this rank's own contribution, which the reduce-scatter encoded.
+Where both are Pici and the reduced piece is very sparse, the decode is a patch that writes only
+the elements either payload marks (``decompress_into(prior=)``) instead of the whole piece.
 """
 
 from __future__ import annotations
