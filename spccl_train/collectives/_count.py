@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .._triton import device_table
+from .._triton_math import nonzero
 
 __all__ = ["count_ranges"]
 
@@ -38,7 +39,7 @@ def _count_kernel(x_ptr, starts_ptr, numels_ptr, out_ptr, BLOCK: tl.constexpr, I
             offsets = first + it * BLOCK + tl.arange(0, BLOCK)
             mask = offsets < numel
             values = tl.load(x_ptr + start + offsets, mask=mask, other=0.0)
-            acc += (values != 0).to(tl.int32)
+            acc += nonzero(values).to(tl.int32)
         tl.atomic_add(out_ptr + i, tl.sum(acc).to(tl.int64), sem="relaxed")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .prune_ef import _round_to
+from .._triton_math import nonzero, round_to
 
 __all__ = ["block_counts_kernel", "cap_blocks_kernel"]
 
@@ -25,7 +25,7 @@ def block_counts_kernel(grad_ptr, starts_ptr, numels_ptr, counts_ptr, blocks, BL
         offsets = first + tl.arange(0, BLOCK)
         mask = offsets < numel
         g = tl.load(grad_ptr + start + offsets, mask=mask, other=0.0)
-        tl.store(counts_ptr + i * blocks + j, tl.sum((g != 0).to(tl.int32), axis=0))
+        tl.store(counts_ptr + i * blocks + j, tl.sum(nonzero(g).to(tl.int32), axis=0))
 
 
 @triton.jit
@@ -44,8 +44,8 @@ def cap_blocks_kernel(
         mask = offsets < numel
         g = tl.load(grad_ptr + start + offsets, mask=mask, other=0.0)
         e = tl.load(error_ptr + start + offsets, mask=mask, other=0.0)
-        nonzero = ((g != 0) & mask).to(tl.int32)
-        before = tl.cumsum(nonzero, axis=0) - nonzero
-        over = (nonzero != 0) & (before >= allowed)
-        tl.store(error_ptr + start + offsets, tl.where(over, _round_to(g.to(tl.float32), e.dtype), e), mask=mask)
+        present = (nonzero(g) & mask).to(tl.int32)
+        before = tl.cumsum(present, axis=0) - present
+        over = (present != 0) & (before >= allowed)
+        tl.store(error_ptr + start + offsets, tl.where(over, round_to(g.to(tl.float32), e.dtype), e), mask=mask)
         tl.store(grad_ptr + start + offsets, tl.where(over, 0.0, g).to(g.dtype), mask=mask)

@@ -6,22 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton_math import nonzero, round_to
 from .pruner import PRUNE_BLOCK as BLOCK
 
 __all__ = ["prune_error_feedback"]
-
-
-@triton.jit
-def _round_to(x, dtype: tl.constexpr):
-    """fp32 -> ``dtype`` rounding to nearest even, as torch does. bf16 is rounded by hand: the
-    Triton interpreter (CPU tests) truncates fp32 -> bf16 whatever rounding is asked for."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        rounded = tl.where(x != x, 0x7FC0, rounded)  # NaN: torch's canonical bf16 NaN
-        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(dtype)
 
 
 @triton.jit
@@ -36,12 +24,12 @@ def _prune_error_feedback_kernel(
     e = tl.load(error_ptr + offsets, mask=mask, other=0.0)
     v = g.to(tl.float32) + e.to(tl.float32)
     keep = (tl.abs(v) >= threshold) & mask
-    pruned = _round_to(tl.where(keep, v, 0.0), g.dtype)
+    pruned = round_to(tl.where(keep, v, 0.0), g.dtype)
     tl.store(grad_ptr + offsets, pruned, mask=mask)
-    tl.store(error_ptr + offsets, _round_to(tl.where(keep, 0.0, v * decay), e.dtype), mask=mask)
+    tl.store(error_ptr + offsets, round_to(tl.where(keep, 0.0, v * decay), e.dtype), mask=mask)
     tl.atomic_add(kept_ptr, tl.sum(keep.to(tl.int32), axis=0), sem="relaxed")
     if COUNT:  # nonzeros left in the block, for the per-range caps
-        tl.store(counts_ptr + block, tl.sum(((pruned != 0) & mask).to(tl.int32), axis=0))
+        tl.store(counts_ptr + block, tl.sum((nonzero(pruned) & mask).to(tl.int32), axis=0))
 
 
 def prune_error_feedback(

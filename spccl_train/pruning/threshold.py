@@ -116,7 +116,11 @@ def _sampled_threshold_kernel(
         counts = tl.load(hist_ptr + slots, cache_modifier=".cg")
         for start in range(0, NBINS, SELECT_BLOCK):
             following = start + SELECT_BLOCK
-            ahead = tl.load(hist_ptr + slots - following // 32, mask=following < NBINS, other=0, cache_modifier=".cg")
+            # A block mask, not the scalar `following < NBINS`: Triton 3.9's interpreter builds a
+            # scalar comparison of loop constants as int32, which `load` rejects as a mask. The two
+            # agree, as `following` and NBINS are multiples of SELECT_BLOCK.
+            ahead_mask = following + tl.arange(0, SELECT_BLOCK) < NBINS
+            ahead = tl.load(hist_ptr + slots - following // 32, mask=ahead_mask, other=0, cache_modifier=".cg")
             reached = carried + tl.cumsum(counts, 0) >= k
             first = tl.minimum(first, tl.min(tl.where(reached, start + tl.arange(0, SELECT_BLOCK), NBINS), 0))
             carried += tl.sum(counts, 0)
