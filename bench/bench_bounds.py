@@ -40,13 +40,14 @@ import spccl_train
 from spccl_train._provenance import git_commit
 from spccl_train.collectives import CollectiveConfig, clear_graphs, last_stats
 from spccl_train.collectives.chunking import ChunkLayout
+from spccl_train.transport.dense import all_gather_flat, reduce_scatter_flat
 
 SLACK = 1.2
 PATHS = ("exchange", "bounds", "bounds+graph")
 NATIVE = {
     "all_reduce": lambda out, inp: dist.all_reduce(out),
-    "all_gather": lambda out, inp: dist.all_gather_into_tensor(out, inp),
-    "reduce_scatter": lambda out, inp: dist.reduce_scatter_tensor(out, inp),
+    "all_gather": lambda out, inp: all_gather_flat(out, inp),
+    "reduce_scatter": lambda out, inp: reduce_scatter_flat(out, inp),
 }
 SPCCL = {
     "all_reduce": lambda out, inp, **kw: spccl_train.all_reduce(out, **kw),

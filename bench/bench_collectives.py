@@ -116,6 +116,7 @@ from spccl_train.collectives import (
     last_stats,
 )
 from spccl_train.formats import Format
+from spccl_train.transport.dense import all_gather_flat, reduce_scatter_flat
 
 __all__ = ["main"]
 
@@ -141,8 +142,6 @@ _TARGETS = (
 _AUTO_FLOOR = 0.95
 _AUTO_FLOOR_FROM = 64 << 20
 # torch renamed these (the old names warn on newer versions); the GPU machine's torch may predate the new ones.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -566,14 +565,14 @@ def _make_case(
         dist.all_reduce(tol)
     elif collective == "reduce_scatter":
         ref = torch.empty(full // p, dtype=dtype, device=env.device)
-        _reduce_scatter_flat(ref, x0)
+        reduce_scatter_flat(ref, x0)
         absolute = x0.abs().float()
         tol = torch.empty(full // p, dtype=torch.float32, device=env.device)
-        _reduce_scatter_flat(tol, absolute)
+        reduce_scatter_flat(tol, absolute)
         del absolute
     else:
         ref = torch.empty(full, dtype=dtype, device=env.device)
-        _all_gather_flat(ref, x0)
+        all_gather_flat(ref, x0)
     if tol is not None:
         # Two sums of `world` terms in different orders differ by at most 2 (world - 1) u sum|x|.
         tol.mul_(2 * p * _UNIT_ROUNDOFF[dtype])
@@ -627,7 +626,7 @@ def _padded_gather(
     """All-gather the counts (one host sync), then indices and values padded to the largest count."""
     count = torch.tensor([idx.numel()], dtype=torch.int64, device=idx.device)
     counts_t = torch.empty(p, dtype=torch.int64, device=idx.device)
-    _all_gather_flat(counts_t, count)
+    all_gather_flat(counts_t, count)
     counts = counts_t.tolist()
     width = max(counts)
     if width == 0:
@@ -638,8 +637,8 @@ def _padded_gather(
     pad_vals[: vals.numel()] = vals
     all_idx = torch.empty(p * width, dtype=torch.int32, device=idx.device)
     all_vals = torch.empty(p * width, dtype=vals.dtype, device=vals.device)
-    _all_gather_flat(all_idx, pad_idx)
-    _all_gather_flat(all_vals, pad_vals)
+    all_gather_flat(all_idx, pad_idx)
+    all_gather_flat(all_vals, pad_vals)
     return counts, width, all_idx, all_vals
 
 
@@ -709,9 +708,9 @@ def _call(method: _Method, case: _Case, env: _Env) -> tuple[CollectiveStats | No
         if coll == "all_reduce":
             dist.all_reduce(case.work)
         elif coll == "all_gather":
-            _all_gather_flat(case.out, case.x0)
+            all_gather_flat(case.out, case.x0)
         else:
-            _reduce_scatter_flat(case.out, case.x0)
+            reduce_scatter_flat(case.out, case.x0)
         return None, 0
     if method.name == "naive_coo":
         if coll == "all_reduce":

@@ -535,6 +535,29 @@ def test_async_handles(pools):
     assert pools(3).run(_job_async, _seed("async")) == [True] * 3
 
 
+def _job_new_names_without_warnings(rank, world, seed):
+    # torch 2.13's names give the same results, and no call (dense, sparse, native) warns about
+    # torch's deprecated names: the library calls whichever one-tensor collective this torch has.
+    import warnings
+
+    xs = _inputs(seed, world, world * 1000, torch.float32, 0.9, "random")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        for fmt in ("pici", "dense", "auto"):
+            cfg = CollectiveConfig(format=fmt)
+            gathered = torch.empty(world * xs.shape[1])
+            spccl_train.all_gather_single(gathered, xs[rank].clone(), config=cfg)
+            assert torch.equal(gathered, xs.reshape(-1)), fmt
+            shard = torch.empty(xs.shape[1] // world)
+            spccl_train.reduce_scatter_single(shard, xs[rank].clone(), config=cfg)
+            _check_sum(shard, xs.view(world, world, -1)[:, rank], f"reduce_scatter_single {fmt}")
+    return spccl_train.all_gather_single is spccl_train.all_gather_into_tensor
+
+
+def test_torch_213_names_match_and_nothing_warns(pools):
+    assert pools(2).run(_job_new_names_without_warnings, _seed("new names")) == [True] * 2
+
+
 def _job_planning_group(rank, world, seed):
     # the planning exchange on a second group of the same ranks; a group of other ranks is refused
     second = dist.new_group()

@@ -1,15 +1,25 @@
 """Exact sparse collectives: all-gather, reduce-scatter and all-reduce over Pici, COO or dense.
 
 ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and ``all_reduce`` take the arguments of
-their ``torch.distributed`` namesakes plus a :class:`CollectiveConfig`. Layers inside:
+their ``torch.distributed`` namesakes plus a :class:`CollectiveConfig`; ``all_gather_single`` and
+``reduce_scatter_single`` (torch 2.13's new names) are the same two functions. Layers inside:
 :mod:`.chunking` (how tensors are cut), :mod:`.exchange` (the one planning exchange),
 :mod:`.plan` (format and size of every message), :mod:`.cost` (the model behind ``auto``),
 :mod:`.topology` (nodes), :mod:`.graphs` (CUDA-graph replay of calls planned from bounds), and
 the ring and direct executors. Design:
-``shared/design/ARCHITECTURE.md``.
+``docs/ARCHITECTURE.md``.
 """
 
-from .api import CollectiveStats, CollectiveWork, all_gather_into_tensor, all_reduce, last_stats, reduce_scatter_tensor
+from .api import (
+    CollectiveStats,
+    CollectiveWork,
+    all_gather_into_tensor,
+    all_gather_single,
+    all_reduce,
+    last_stats,
+    reduce_scatter_single,
+    reduce_scatter_tensor,
+)
 from .choice import Candidate, choose
 from .chunking import ChunkLayout, Span
 from .config import DEFAULT_THRESHOLDS, CollectiveConfig, ResolvedThresholds, Thresholds
@@ -21,6 +31,8 @@ from .topology import Topology
 __all__ = [
     "all_gather_into_tensor",
     "reduce_scatter_tensor",
+    "all_gather_single",
+    "reduce_scatter_single",
     "all_reduce",
     "CollectiveConfig",
     "Thresholds",

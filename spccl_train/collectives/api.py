@@ -25,6 +25,7 @@ import torch.distributed as dist
 from .._timing import Span
 from ..formats import MAX_ELEMENTS, SUPPORTED_DTYPES, Format
 from ..transport import P2PTransport
+from ..transport.dense import all_gather_flat, reduce_scatter_flat
 from ._direct import direct_all_gather, direct_all_reduce, direct_reduce_scatter
 from ._ring import ring_all_gather, ring_reduce_scatter
 from ._wire import StatusSink
@@ -49,6 +50,8 @@ from .topology import Topology
 __all__ = [
     "all_gather_into_tensor",
     "reduce_scatter_tensor",
+    "all_gather_single",
+    "reduce_scatter_single",
     "all_reduce",
     "CollectiveWork",
     "CollectiveStats",
@@ -57,8 +60,6 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 _local = threading.local()
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclasses.dataclass(slots=True)
@@ -246,6 +247,12 @@ def reduce_scatter_tensor(
     return _call(
         "reduce_scatter", output, input, group, async_op, config, planning_group, planning_stream, bounds, graph_tag
     )
+
+
+# torch 2.13's names for the two one-tensor collectives (torch.distributed.all_gather_single /
+# reduce_scatter_single); the same functions, so code written for either torch reads the same here.
+all_gather_single = all_gather_into_tensor
+reduce_scatter_single = reduce_scatter_tensor
 
 
 def all_reduce(
@@ -682,9 +689,9 @@ def _bounded_config(config: CollectiveConfig, fingerprint: str) -> tuple[Collect
 
 def _native(collective: str, transport: P2PTransport, x: torch.Tensor, y: torch.Tensor) -> None:
     if collective == "all_gather":
-        _all_gather_flat(y, x, group=transport.group)
+        all_gather_flat(y, x, group=transport.group)
     elif collective == "reduce_scatter":
-        _reduce_scatter_flat(y, x, group=transport.group)
+        reduce_scatter_flat(y, x, group=transport.group)
     else:
         dist.all_reduce(x, group=transport.group)
 

@@ -13,6 +13,7 @@ from .._timing import Span
 from ..collectives import CollectiveStats, CollectiveWork, all_reduce, reduce_scatter_tensor
 from ..ddp import SummaryRatios
 from ..pruning import Pruner, PruneResult, piece_caps
+from ..transport.dense import reduce_scatter_flat
 from .config import SpcclMegatronConfig
 
 __all__ = ["BucketState", "MegatronSummary", "SpcclMegatronState"]
@@ -179,7 +180,7 @@ class SpcclMegatronState:
             self._dense_reductions += 1
             if shard is None:
                 return dist.all_reduce(tensor, op=op, group=group, async_op=True)
-            return dist.reduce_scatter_tensor(shard, tensor, op=op, group=group, async_op=True)
+            return reduce_scatter_flat(shard, tensor, op=op, group=group, async_op=True)
         if op == dist.ReduceOp.AVG:
             tensor.div_(dist.get_world_size(group))
         elif op != dist.ReduceOp.SUM:

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["P2PTransport"]
+from .dense import all_gather_flat
 
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+__all__ = ["P2PTransport"]
 
 # Device types each single-device backend moves with point-to-point calls as well as collectives.
 _BACKEND_DEVICES = {"nccl": {"cuda"}, "gloo": {"cpu"}, "mpi": {"cpu"}, "ucc": {"cpu", "cuda"}, "xccl": {"xpu"}}
@@ -72,7 +72,7 @@ class P2PTransport:
     def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         """Gather one equal-length 1-D row from every rank: a ``(world, len)`` tensor (waits for it)."""
         out = torch.empty(self.world * row.numel(), dtype=row.dtype, device=row.device)
-        _all_gather_flat(out, row, group=self.group)
+        all_gather_flat(out, row, group=self.group)
         return out.view(self.world, row.numel())
 
     def send_recv(
@@ -105,7 +105,7 @@ class P2PTransport:
         """Gather equal-size ``inp`` from every rank into ``out`` (rank ``q`` at ``q * inp.numel()``)."""
         if not inp.numel():
             return None
-        return _all_gather_flat(out, inp, group=self.group, async_op=True)
+        return all_gather_flat(out, inp, group=self.group, async_op=True)
 
 
 def _devices_of(backend: str) -> set[str] | None:
