@@ -21,6 +21,9 @@ def triton_importable() -> bool:
         import triton  # noqa: F401
     except ImportError:
         return False
+    from .versions import warn_once_if_unsupported
+
+    warn_once_if_unsupported("triton")
     return True
 
 
