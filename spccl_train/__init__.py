@@ -1,6 +1,7 @@
 """spccl-train: exact sparse collectives (Pici / COO) and a sparse-gradient training plugin."""
 
 from . import formats
+from ._version import __version__
 from .collectives import (
     CollectiveConfig,
     all_gather_into_tensor,
@@ -20,5 +21,3 @@ __all__ = [
     "CollectiveConfig",
     "__version__",
 ]
-
-__version__ = "0.1.0"

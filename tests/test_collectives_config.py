@@ -15,7 +15,7 @@ from spccl_train.formats import Format
 def test_defaults():
     cfg = CollectiveConfig()
     assert (cfg.format, cfg.algorithm, cfg.ranks_per_node, cfg.channels, cfg.cost_model) == (
-        "auto", "auto", None, 1, None,
+        "auto", "auto", None, 1, "measured",
     )  # fmt: skip
     assert cfg.thresholds.resolve("pici") == DEFAULT_THRESHOLDS[Format.PICI]
     assert cfg.thresholds.resolve("coo") == DEFAULT_THRESHOLDS[Format.COO]
@@ -23,6 +23,9 @@ def test_defaults():
         assert any(f.name == name for f in dataclasses.fields(CollectiveConfig))
     with pytest.raises(TypeError):
         CollectiveConfig("pici")  # keyword-only
+    # None keeps its meaning from before measuring existed: the fixed defaults
+    assert CollectiveConfig(cost_model=None).fingerprint() == CollectiveConfig(cost_model="default").fingerprint()
+    assert CollectiveConfig().fingerprint() != CollectiveConfig(cost_model="default").fingerprint()
 
 
 def test_every_field_has_a_docstring():
@@ -60,7 +63,7 @@ def test_thresholds_override_one_field():
         ({"channels": 2.0}, "channels=2.0"),
         ({"thresholds": {"intra": 0.5, "outer": 0.1}}, r"unknown keys \['outer'\]"),
         ({"thresholds": (0.1, 0.2, 0.3)}, "must be a Thresholds"),
-        ({"cost_model": "fast"}, "cost_model='fast' must be a CostModel"),
+        ({"cost_model": "fast"}, "cost_model='fast' must be a CostModel or one of 'measured', 'default'"),
         ({"cuda_graphs": 1}, "cuda_graphs=1 must be True or False"),
     ],
 )

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Sequence
@@ -44,6 +45,7 @@ from .exchange import (
     exchange_reduced_counts,
 )
 from .graphs import graph_key, remember_bounds, remembered_bounds, run_graphed
+from .links import measured_model
 from .plan import Plan, bound_reduced_counts, plan_all_gather
 from .topology import Topology
 
@@ -377,11 +379,32 @@ def _transport(group: dist.ProcessGroup | None) -> P2PTransport:
     return transport
 
 
-def _default_model(device: torch.device) -> CostModel:
+def _ranks_per_node(config: CollectiveConfig, transport: P2PTransport) -> int | None:
+    """``config.ranks_per_node``, else (for a group of every rank) what the launch says: emulated
+    nodes' ``SPCCL_RANKS_PER_NODE``, or torchrun's ``LOCAL_WORLD_SIZE``; else one node."""
+    if config.ranks_per_node is not None:
+        return config.ranks_per_node
+    if transport.world != dist.get_world_size():
+        return None  # a subgroup: the launch's figure describes the whole world, not it
+    for name in ("SPCCL_RANKS_PER_NODE", "LOCAL_WORLD_SIZE"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and 1 <= int(value) < transport.world:
+            return int(value)
+    return None
+
+
+def _model(
+    config: CollectiveConfig, transport: P2PTransport, topology: Topology, device: torch.device
+) -> tuple[CostModel, str]:
+    """The cost model of this call and a tag that names it in memoised decisions."""
+    if isinstance(config.cost_model, CostModel):
+        return config.cost_model, "given"
+    if config.cost_model == "measured" and transport.world > 1:
+        return measured_model(transport, topology, transport.exchange_device(device))
     model = _default_models.get(device.type)
     if model is None:
         model = _default_models[device.type] = CostModel.default(device)
-    return model
+    return model, f"default:{device.type}"
 
 
 _default_models: dict[str, CostModel] = {}
@@ -490,9 +513,9 @@ def _run(
     else:
         table, xdev = _exchange(collective, request, layout, x, r, p * config.channels, planner, planning_stream)
     # From here on every rank holds the same valid table and computes the same decisions.
-    topology = Topology(p, config.ranks_per_node)
-    model = config.cost_model or _default_model(inp.device)
-    key = fingerprint if config.cost_model is not None else f"{fingerprint}|{inp.device.type}"
+    topology = Topology(p, _ranks_per_node(config, transport))
+    model, tag = _model(config, transport, topology, inp.device)
+    key = f"{fingerprint}|{tag}"
     if bounds is not None and _graphable(config, inp, out, transport):  # replayed: no host cost per launch
         model, key = model.replayed(), f"{key}|replayed"
     choice, weighed = decide(

@@ -22,6 +22,7 @@ MAX_CHANNELS = 64
 _FORMATS = ("auto", "pici", "coo", "dense")
 _ALGORITHMS = ("auto", "ring", "direct")
 _GATHER_COUNTS = ("auto", "bound", "measured")
+_COST_MODELS = ("measured", "default")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -111,9 +112,11 @@ class CollectiveConfig:
     synchronisation; exact sizes and formats). ``"auto"``: the cost model picks per call."""
     ranks_per_node: int | None = None
     """Topology: ranks ``[k * ranks_per_node, (k + 1) * ranks_per_node)`` of the group share node
-    ``k`` (pass ``LOCAL_WORLD_SIZE`` under torchrun). ``None`` puts all ranks on one node. Tests
-    set it to simulate several nodes on one machine. It picks the intra- or inter-node threshold
-    per hop and the link terms of the cost model."""
+    ``k``. ``None`` takes it, for a group of every rank, from ``SPCCL_RANKS_PER_NODE`` (which
+    emulated nodes set, :mod:`spccl_train.emulation`) or else torchrun's ``LOCAL_WORLD_SIZE``, and
+    otherwise puts all ranks on one node; both must be equal on every rank. Tests set it to
+    simulate several nodes on one machine. It picks the intra- or inter-node threshold per hop
+    and the link terms of the cost model."""
     channels: int = 1
     """Pieces each chunk is cut into (1 to 64). Each piece is its own message, so on a GPU the
     compression of piece k+1 overlaps the transfer of piece k (the direct algorithm moves the
@@ -137,9 +140,13 @@ class CollectiveConfig:
     :func:`~.graphs.clear_graphs` on every rank before ``destroy_process_group``. Other calls
     run as usual. Capturing is collective for NCCL, and ``auto`` prices replayed calls without
     host launch costs (:meth:`~.cost.CostModel.replayed`), so it must be equal on every rank."""
-    cost_model: CostModel | None = None
-    """Link and codec speeds for ``"auto"``; ``None`` uses :meth:`CostModel.default` for the
-    tensor's device (conservative figures, documented there)."""
+    cost_model: CostModel | str | None = "measured"
+    """Link and codec speeds for ``"auto"``. ``"measured"``: measured on the group's first call
+    (:mod:`.links`: link latency and bandwidth per hop kind, the exchange's latency, codec
+    throughputs cached per device), equal on every rank. ``"default"``: the fixed figures of
+    :meth:`CostModel.default` for the tensor's device (``None`` means the same, as it did before
+    measuring existed). A :class:`CostModel`: your own figures, used as given (this is how to
+    override a measurement)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.thresholds, Mapping):
@@ -176,13 +183,16 @@ class CollectiveConfig:
             raise ValueError(f"channels={ch!r} must be an int from 1 to {MAX_CHANNELS}; 1 disables piece pipelining")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs={self.cuda_graphs!r} must be True or False")
-        if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
-            raise ValueError(f"cost_model={self.cost_model!r} must be a CostModel or None for the defaults")
+        if not isinstance(self.cost_model, CostModel) and self.cost_model not in (*_COST_MODELS, None):
+            raise ValueError(
+                f"cost_model={self.cost_model!r} must be a CostModel or one of {', '.join(map(repr, _COST_MODELS))} "
+                "(None: 'default')"
+            )
 
     def fingerprint(self) -> str:
         """A canonical text of every field, equal on two ranks iff their configs plan alike."""
         th = self.thresholds
-        cost = "default" if self.cost_model is None else self.cost_model.fingerprint()
+        cost = self.cost_model.fingerprint() if isinstance(self.cost_model, CostModel) else self.cost_model or "default"
         parts = [
             self.format,
             self.algorithm,

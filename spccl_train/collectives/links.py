@@ -1,0 +1,293 @@
+"""The cost model, measured: link terms per hop kind from a short timed probe of the group, the
+planning exchange's latency as the call makes it, and codec throughputs calibrated once per device.
+
+``auto`` is only as good as its model, and configured constants cannot know whether a hop is
+NVLink at 350 GB/s or a socket at 1.8 GB/s (issue: on one GPU with emulated nodes ``auto`` kept
+choosing dense and lost a 4x). So the first call of a group with ``cost_model="measured"`` (the
+default) measures, collectively, on every rank of the group:
+
+- **links**: every rank sends to its right neighbour and receives from its left one at once, on
+  the ring inside its node (intra) and on the ring across nodes among ranks with the same local
+  rank (inter), each at a small size (latency) and at a size that takes a few milliseconds
+  (bandwidth, grown by 4x from 1 MiB until it does). ``bandwidth = n / (t_big - t_small)``:
+  bytes one rank pushes one way while all ranks push, which is how the collectives load the links;
+- **exchange**: a gather of one small row from every rank read back on the host, as the count
+  exchange of every call without bounds is;
+- **codecs**: Pici and COO encode / decode / accumulate on random 99% sparse fp32 data, timed on
+  this device once and cached on disk (``$SPCCL_CACHE_DIR``, default ``~/.cache/spccl_train``)
+  under the device's name and the library's version.
+
+Times are the median of a few repeats, each after a barrier, then the slowest rank's (MAX over
+the group; throughputs its MIN), so every rank holds the same model and decides alike. The whole
+probe costs milliseconds on NVLink and some tens of milliseconds on slow links or gloo, once per
+group and topology. Figures the probe cannot see (intra-node links when every node holds one rank,
+inter-node ones on one node) keep :meth:`CostModel.default`'s values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import statistics
+import time
+import weakref
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from .._version import __version__
+from ..formats import Format, capacity_bytes, compress_into, decompress_into
+from ..transport import P2PTransport
+from .cost import CodecCost, CostModel, LinkCost
+from .topology import Topology
+
+__all__ = ["LinkProbe", "probe_links", "codec_costs", "measured_model", "forget_measured"]
+
+_log = logging.getLogger(__name__)
+
+_SMALL = 64  # bytes: latency-bound on every link
+_FIRST_LARGE = 1 << 20
+_LARGEST = {"cuda": 256 << 20, "cpu": 16 << 20}
+_LONG_ENOUGH_S = 2e-3  # a large send this long is bandwidth-bound enough to fit the slope
+_REPEATS = 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LinkProbe:
+    """What :func:`probe_links` measured (``None``: that hop kind does not occur in the group)."""
+
+    intra: LinkCost | None
+    """Ranks of one node."""
+    inter: LinkCost | None
+    """Ranks of different nodes."""
+    exchange_s: float
+    """One planning exchange: a small all-gather read back on the host."""
+    probe_s: float
+    """Wall time the probe took on this rank."""
+
+    def describe(self) -> str:
+        """One line for logs: each measured link as bandwidth and latency."""
+        parts = []
+        for name, link in (("intra-node", self.intra), ("inter-node", self.inter)):
+            if link is not None:
+                parts.append(f"{name} {link.bandwidth / 1e9:.2f} GB/s, {link.latency_s * 1e6:.0f} us")
+        parts.append(f"exchange {self.exchange_s * 1e3:.2f} ms (probe took {self.probe_s * 1e3:.0f} ms)")
+        return "; ".join(parts)
+
+
+def probe_links(transport: P2PTransport, topology: Topology, device: torch.device) -> LinkProbe:
+    """Measure the group's links per hop kind and its exchange latency (collective: every rank calls it).
+
+    ``device`` is where the buffers live (the backend must move tensors there). Every rank returns
+    the same figures.
+    """
+    started = time.perf_counter()
+    p, r = transport.world, transport.rank
+    rpn = topology.ranks_per_node or p
+    node, local = divmod(r, rpn) if rpn < p else (0, r)
+    rings = {}
+    if min(rpn, p) > 1:  # the ring inside this node
+        base = node * rpn
+        size = min(rpn, p - base)
+        rings["intra"] = (base + (local + 1) % size, base + (local - 1) % size)
+    if rpn < p:  # the ring across nodes, among ranks of the same local rank
+        rings["inter"] = ((r + rpn) % p, (r - rpn) % p)
+    measured: dict[str, LinkCost | None] = {"intra": None, "inter": None}
+    for kind in ("intra", "inter"):
+        # Every rank must run the same probes in the same order: decide from the topology, which
+        # all ranks share, not from this rank's own ring (a node of one rank has no intra ring).
+        if kind == "intra" and not min(rpn, p) > 1 or kind == "inter" and not rpn < p:
+            continue
+        right, left = rings[kind]
+        measured[kind] = _fit_link(transport, device, right, left)
+    row = torch.zeros(8, dtype=torch.int64, device=transport.exchange_device(device))
+
+    def exchange() -> None:
+        transport.all_gather_rows(row).tolist()  # the .tolist() is the host synchronisation
+
+    exchange_s = _slowest(transport, device, statistics.median(_times(transport, device, exchange, 5)))
+    return LinkProbe(
+        intra=measured["intra"], inter=measured["inter"], exchange_s=exchange_s, probe_s=time.perf_counter() - started
+    )
+
+
+def _fit_link(transport: P2PTransport, device: torch.device, right: int, left: int) -> LinkCost:
+    """Alpha-beta terms of sending to ``right`` while receiving from ``left`` (all ranks at once)."""
+
+    def send(nbytes: int) -> float:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+        into = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        ring = right != transport.rank
+
+        def step() -> None:
+            if ring:
+                for work in transport.send_recv([(right, out)], [(left, into)]):
+                    work.wait()
+
+        return _slowest(transport, device, statistics.median(_times(transport, device, step, _REPEATS)))
+
+    small = send(_SMALL)
+    nbytes, large = _FIRST_LARGE, send(_FIRST_LARGE)
+    largest = _LARGEST.get(device.type, _LARGEST["cpu"])
+    while large < _LONG_ENOUGH_S and nbytes * 4 <= largest:
+        nbytes *= 4
+        large = send(nbytes)
+    slope = large - small if large > small else large
+    return LinkCost(latency_s=max(small, 0.0), bandwidth=(nbytes - _SMALL) / slope if slope > 0 else 1e15)
+
+
+def _times(transport: P2PTransport, device: torch.device, fn, repeats: int) -> list[float]:
+    """Seconds of ``fn`` on this rank, ``repeats`` times, each started together after a barrier."""
+    fn()  # warm-up: connections, allocations, NCCL's lazy communicator set-up
+    out = []
+    for _ in range(repeats):
+        _barrier(transport, device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def _barrier(transport: P2PTransport, device: torch.device) -> None:
+    flag = torch.zeros(1, device=transport.exchange_device(device))
+    dist.all_reduce(flag, group=transport.group)
+    if flag.is_cuda:
+        torch.cuda.synchronize(flag.device)
+
+
+def _slowest(transport: P2PTransport, device: torch.device, seconds: float) -> float:
+    """The largest of every rank's ``seconds``: the figure all ranks then share."""
+    value = torch.tensor([seconds], dtype=torch.float64, device=transport.exchange_device(device))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=transport.group)
+    return float(value.item())
+
+
+# ----------------------------------------------------------------------------- codecs
+
+
+def _cache_file(device: torch.device) -> pathlib.Path:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu-reference"
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    root = pathlib.Path(os.environ.get("SPCCL_CACHE_DIR", pathlib.Path.home() / ".cache" / "spccl_train"))
+    return root / "codecs" / f"{safe}-{__version__}.json"
+
+
+def codec_costs(device: torch.device, *, use_cache: bool = True) -> dict[str, CodecCost]:
+    """Pici and COO codec throughputs on ``device``, measured once and cached on disk.
+
+    Measured on random 99%-sparse fp32 data (16 Mi elements on CUDA, 256 Ki on the CPU's reference
+    codec), each operation the median of three after a warm-up; ``call_s`` is one call on a
+    single tile. This rank's own figures: :func:`measured_model` makes them equal across ranks.
+    """
+    path = _cache_file(device)
+    if use_cache and path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+            return {fmt: CodecCost(**saved[fmt]) for fmt in ("pici", "coo")}
+        except (ValueError, KeyError, TypeError):
+            _log.warning("spccl_train: ignoring unreadable codec calibration %s", path)
+    n = (16 << 20) if device.type == "cuda" else (1 << 18)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(n, device=device, generator=gen)
+    x *= torch.rand(n, device=device, generator=gen) < 0.01
+    dense_bytes = n * x.element_size()
+    found = {}
+    for fmt in (Format.PICI, Format.COO):
+        payload = torch.empty(capacity_bytes(fmt, n, x.dtype), dtype=torch.uint8, device=device)
+        into = torch.empty_like(x)
+        tiny, tiny_out = x[:4096], torch.empty(capacity_bytes(fmt, 4096, x.dtype), dtype=torch.uint8, device=device)
+        nnz = compress_into(fmt, x, payload) if fmt is Format.COO else None  # COO payloads do not carry it
+        ops = {
+            "compress": lambda: compress_into(fmt, x, payload),
+            "decompress": lambda: decompress_into(fmt, payload, into, nnz=nnz, check=False),
+            "accumulate": lambda: decompress_into(fmt, payload, into, nnz=nnz, accumulate=True, check=False),
+            "call_s": lambda: compress_into(fmt, tiny, tiny_out),
+        }
+        seconds = {name: _device_seconds(op, device) for name, op in ops.items()}
+        found[fmt.value] = CodecCost(
+            compress=dense_bytes / seconds["compress"],
+            decompress=dense_bytes / seconds["decompress"],
+            accumulate=dense_bytes / seconds["accumulate"],
+            call_s=seconds["call_s"],
+        )
+    if use_cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({k: dataclasses.asdict(v) for k, v in found.items()}, indent=1))
+        except OSError as exc:  # a read-only home is no reason to fail a collective
+            _log.warning("spccl_train: could not cache the codec calibration at %s: %s", path, exc)
+    return found
+
+
+def _device_seconds(fn, device: torch.device) -> float:
+    fn()
+    times = []
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return max(statistics.median(times), 1e-9)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+_measured: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def measured_model(transport: P2PTransport, topology: Topology, device: torch.device) -> tuple[CostModel, str]:
+    """The group's measured :class:`CostModel` and a tag naming it (for memoised decisions).
+
+    Probed on the first call per (group, nodes layout, device type); later calls reuse it.
+    Collective on that first call: every rank of the group must make it, as every collective call
+    does. Figures the probe cannot see keep the defaults.
+    """
+    per_group = _measured.setdefault(transport.group, {})
+    key = (topology.ranks_per_node, device.type)
+    found = per_group.get(key)
+    if found is None:
+        base = CostModel.default(device)
+        links = probe_links(transport, topology, device)
+        codecs = _shared_codecs(transport, device, codec_costs(device))
+        model = dataclasses.replace(
+            base,
+            intra=links.intra or base.intra,
+            inter=links.inter or base.inter,
+            exchange_s=links.exchange_s,
+            pici=codecs["pici"],
+            coo=codecs["coo"],
+        )
+        found = per_group[key] = (model, f"measured:{zlib.crc32(model.fingerprint().encode()):08x}")
+        if transport.rank == 0:
+            _log.info("spccl_train: measured links of a group of %d: %s", transport.world, links.describe())
+    return found
+
+
+def _shared_codecs(transport: P2PTransport, device: torch.device, mine: dict[str, CodecCost]) -> dict[str, CodecCost]:
+    """Every rank's calibration folded into one: the slowest throughput and call of each."""
+    names = ("compress", "decompress", "accumulate", "call_s")
+    # throughputs as seconds per byte, so one MAX reduction serves every figure
+    values = [1.0 / getattr(mine[f], n) if n != "call_s" else mine[f].call_s for f in ("pici", "coo") for n in names]
+    t = torch.tensor(values, dtype=torch.float64, device=transport.exchange_device(device))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=transport.group)
+    v = t.tolist()
+    out = {}
+    for i, fmt in enumerate(("pici", "coo")):
+        a = v[4 * i : 4 * i + 4]
+        out[fmt] = CodecCost(compress=1 / a[0], decompress=1 / a[1], accumulate=1 / a[2], call_s=a[3])
+    return out
+
+
+def forget_measured() -> None:
+    """Drop every measured model (the next call of each group probes again)."""
+    _measured.clear()

@@ -1,0 +1,170 @@
+"""The measured cost model (``collectives/links.py``) and emulated nodes (``emulation.py``) on CPU.
+
+On gloo the probe measures gloo's links: what is checked is that it runs collectively, finds the
+hop kinds the topology has, gives every rank the same figures, is made once per group and
+topology, feeds ``auto``, and that codec calibrations are cached per device and version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from _pool import pool_factory
+
+import spccl_train
+from spccl_train.collectives import CollectiveConfig, Topology, last_stats
+from spccl_train.collectives import links
+from spccl_train.collectives.cost import CodecCost, CostModel
+from spccl_train.emulation import emulate_nodes, node_env
+from spccl_train.transport import P2PTransport
+
+
+@pytest.fixture(scope="module")
+def pools(tmp_path_factory):
+    yield from pool_factory(tmp_path_factory, "links")
+
+
+def _job_probe(rank, world, ranks_per_node):
+    probe = links.probe_links(P2PTransport(), Topology(world, ranks_per_node), torch.device("cpu"))
+    return probe.intra, probe.inter, probe.exchange_s
+
+
+@pytest.mark.parametrize("world, ranks_per_node, kinds", [(4, 2, {"intra", "inter"}), (2, None, {"intra"}), (2, 1, {"inter"})])
+def test_probe_finds_the_hop_kinds_and_agrees_on_every_rank(pools, world, ranks_per_node, kinds):
+    got = pools(world).run(_job_probe, ranks_per_node)
+    assert all(g == got[0] for g in got), "ranks disagree on the measured links"
+    intra, inter, exchange_s = got[0]
+    assert {k for k, v in (("intra", intra), ("inter", inter)) if v is not None} == kinds
+    for link in (intra, inter):
+        if link is not None:
+            assert link.bandwidth > 1e6 and 0 <= link.latency_s < 0.5
+    assert 0 < exchange_s < 1.0
+
+
+def _job_auto_measured(rank, world, cache_dir):
+    os.environ["SPCCL_CACHE_DIR"] = cache_dir
+    links.forget_measured()
+    calls = []
+    real = links.probe_links
+    links.probe_links = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        x = torch.zeros(world * 5000)
+        x[rank::97] = 1.0
+        for _ in range(3):
+            spccl_train.all_reduce(x.clone())  # default config: format / algorithm auto, cost_model measured
+        stats = last_stats()
+        other_group = dist.new_group()  # a new group measures its own links
+        spccl_train.all_reduce(x.clone(), group=other_group)
+    finally:
+        links.probe_links = real
+    return len(calls), sorted(stats.candidates.items()), stats.predicted_s == min(stats.candidates.values())
+
+
+def test_auto_uses_one_measured_model_per_group(pools, tmp_path):
+    got = pools(3).run(_job_auto_measured, str(tmp_path))
+    assert all(g == got[0] for g in got), "ranks weighed the candidates differently"
+    probes, candidates, chose_cheapest = got[0]
+    assert probes == 2 and chose_cheapest and len(candidates) > 1
+    assert len(list((tmp_path / "codecs").glob(f"cpu-reference-{spccl_train.__version__}.json"))) == 1
+
+
+def test_codec_calibration_is_cached_per_device_and_version(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPCCL_CACHE_DIR", str(tmp_path))
+    first = links.codec_costs(torch.device("cpu"))
+    for cost in first.values():
+        assert cost.compress > 0 and cost.decompress > 0 and cost.accumulate > 0 and cost.call_s > 0
+    (path,) = (tmp_path / "codecs").iterdir()
+    assert path.name == f"cpu-reference-{spccl_train.__version__}.json"
+    saved = json.loads(path.read_text())
+    saved["pici"]["compress"] = 123.0  # the cache, not a new measurement, answers next time
+    path.write_text(json.dumps(saved))
+    assert links.codec_costs(torch.device("cpu"))["pici"].compress == 123.0
+    path.write_text("not json")
+    assert links.codec_costs(torch.device("cpu"))["pici"].compress != 123.0  # unreadable: measured again
+
+
+def _job_ranks_per_node_from_env(rank, world):
+    from spccl_train.collectives.api import _ranks_per_node
+
+    transport = P2PTransport()
+    found = []
+    for env in ({}, {"LOCAL_WORLD_SIZE": "2"}, {"SPCCL_RANKS_PER_NODE": "1", "LOCAL_WORLD_SIZE": "2"}):
+        saved = {k: os.environ.pop(k, None) for k in ("SPCCL_RANKS_PER_NODE", "LOCAL_WORLD_SIZE")}
+        os.environ.update(env)
+        try:
+            found.append(_ranks_per_node(CollectiveConfig(), transport))
+            found.append(_ranks_per_node(CollectiveConfig(ranks_per_node=4), transport))
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None)
+                if v is not None:
+                    os.environ[k] = v
+    sub = dist.new_group([0, 1])
+    if rank < 2:
+        os.environ["SPCCL_RANKS_PER_NODE"] = "1"
+        found.append(_ranks_per_node(CollectiveConfig(), P2PTransport(sub)))  # a subgroup: one node
+        del os.environ["SPCCL_RANKS_PER_NODE"]
+    return found
+
+
+def test_topology_follows_the_launch_when_the_config_leaves_it(pools):
+    got = pools(4).run(_job_ranks_per_node_from_env)
+    assert got[0] == [None, 4, 2, 4, 1, 4, None]
+
+
+def test_measured_figures_replace_the_defaults_and_the_rest_stay():
+    base = CostModel.default("cpu")
+    slow = CodecCost(compress=1.0, decompress=2.0, accumulate=3.0, call_s=4.0)
+    assert dataclasses_replace_keeps(base, slow)
+
+
+def dataclasses_replace_keeps(base, codec):
+    import dataclasses
+
+    model = dataclasses.replace(base, pici=codec)
+    return model.pici == codec and model.coo == base.coo and model.fingerprint() != base.fingerprint()
+
+
+@pytest.mark.parametrize("local_world, nodes", [(4, 2), (2, 2), (8, 4), (4, 1)])
+def test_emulated_node_env_per_rank(local_world, nodes):
+    per_node = local_world // nodes
+    ids = []
+    for local_rank in range(local_world):
+        placed, env = node_env(local_rank, local_world, nodes, {})
+        assert placed.node == local_rank // per_node and placed.ranks_per_node == per_node
+        assert env["SPCCL_RANKS_PER_NODE"] == str(per_node) and env["NCCL_SOCKET_IFNAME"] == "lo"
+        assert env["NCCL_NVLS_ENABLE"] == "0" and env["NCCL_IB_DISABLE"] == "1"
+        ids.append(env["NCCL_HOSTID"])
+    assert len(set(ids)) == nodes  # one host id per emulated node, shared by its ranks
+    assert all(ids[r] == ids[r // per_node * per_node] for r in range(local_world))
+
+
+def test_emulated_nodes_keep_the_users_socket_settings_and_set_the_process_env():
+    _, env = node_env(0, 2, 2, {"NCCL_SOCKET_IFNAME": "eth9", "NCCL_IB_DISABLE": "0"})
+    assert env["NCCL_SOCKET_IFNAME"] == "eth9" and env["NCCL_IB_DISABLE"] == "0"
+    environ = {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}
+    placed = emulate_nodes(2, environ)
+    assert placed.node == 1 and environ["SPCCL_RANKS_PER_NODE"] == "2" and environ["NCCL_HOSTID"].endswith("node1")
+    assert emulate_nodes(1, environ := {}) is None and environ == {}
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((0, 4, 3), "do not split into 3 equal nodes; pick a number of nodes that divides 4 \\(e.g. 1, 2, 4\\)"),
+        ((4, 4, 2), "local rank 4 is outside 0..3"),
+        ((0, 4, 0), "nodes=0 must be a positive int"),
+    ],
+)
+def test_emulated_node_errors_name_the_value_and_the_fix(args, match):
+    with pytest.raises(ValueError, match=match):
+        node_env(*args, {})
+
+
+def test_emulated_nodes_need_the_launch_variables():
+    with pytest.raises(ValueError, match="need LOCAL_RANK and LOCAL_WORLD_SIZE"):
+        emulate_nodes(2, {})
