@@ -116,6 +116,7 @@ from spccl_train.collectives import (
     last_stats,
 )
 from spccl_train.formats import Format
+from spccl_train.emulation import emulate_nodes as emulate_nodes_env
 from spccl_train.transport.dense import all_gather_flat, reduce_scatter_flat
 
 __all__ = ["main"]
@@ -164,6 +165,8 @@ class _Settings:
     block: int
     seed: int
     ranks_per_node: int | None
+    emulate_nodes: int
+    """Emulated nodes on this host (``spccl_train.emulation``; 0: none)."""
     out_dir: pathlib.Path
     plot: bool
     smoke: bool
@@ -250,6 +253,9 @@ class _Row:
     """The cost model's prediction for the native dense call (from ``auto`` configs; not written)."""
     speedup_vs_nccl: float | None = None
     speedup_vs_naive: float | None = None
+    auto_vs_best: float | None = None
+    """``auto/auto`` rows: their time over the best fixed candidate's (``nccl`` or a pici / coo
+    method with ring or direct) at the same point; 1.0 is as good as the best."""
     warmup: int = 0
     iters: int = 0
     peak_mem_gib: float = 0.0
@@ -373,6 +379,14 @@ def _settings(argv: list[str] | None) -> _Settings:
         default=0.0,
         help="skip the remaining cases once the run has taken this long; 0: no limit (default)",
     )
+    parser.add_argument(
+        "--emulate-nodes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="split this host's ranks into N emulated nodes joined by NCCL's socket transport "
+        "(spccl_train.emulation; several ranks may share a GPU); ranks_per_node follows",
+    )
     parser.add_argument("--block", type=int, default=4096, help="elements per block of the clustered pattern")
     parser.add_argument("--seed", type=int, default=1234, help="base seed of the inputs")
     parser.add_argument(
@@ -394,6 +408,8 @@ def _settings(argv: list[str] | None) -> _Settings:
         "--smoke", action="store_true", help="check the script on the CPU (gloo): tiny sizes, few iterations"
     )
     args = parser.parse_args(argv)
+    if args.emulate_nodes < 0:
+        parser.error(f"--emulate-nodes {args.emulate_nodes} must be 0 (off) or a number of nodes")
     for name in ("warmup", "iters", "iters_large"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "warmup" else 1):
@@ -405,6 +421,8 @@ def _settings(argv: list[str] | None) -> _Settings:
     smoke = args.smoke
     iters = args.iters or (2 if smoke else 10)
     rpn = args.ranks_per_node or (int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None)
+    if args.emulate_nodes > 1 and "LOCAL_WORLD_SIZE" in os.environ:
+        rpn = args.ranks_per_node or int(os.environ["LOCAL_WORLD_SIZE"]) // args.emulate_nodes
     return _Settings(
         collectives=args.collectives,
         methods=[m for m in _METHODS if m in args.methods],
@@ -426,6 +444,7 @@ def _settings(argv: list[str] | None) -> _Settings:
         plot=not args.no_plot,
         smoke=smoke,
         graphs=args.cuda_graphs,
+        emulate_nodes=args.emulate_nodes,
     )
 
 
@@ -464,12 +483,14 @@ def _methods(settings: _Settings) -> list[_Method]:
 # The job
 
 
-def _init(smoke: bool) -> _Env | None:
-    """Join the torchrun job: NCCL with one GPU per rank, or gloo on the CPU under ``--smoke``."""
+def _init(smoke: bool, emulate_nodes: int) -> _Env | None:
+    """Join the torchrun job: NCCL with one GPU per rank (or several ranks per GPU when there are
+    more local ranks than GPUs), or gloo on the CPU under ``--smoke``; on emulated nodes if asked."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
+    emulate_nodes_env(emulate_nodes)  # before the group exists: NCCL reads it when it connects
     if not smoke and torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
         dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=10))
@@ -477,6 +498,16 @@ def _init(smoke: bool) -> _Env | None:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     return _Env(rank=dist.get_rank(), world=dist.get_world_size(), device=device, backend=dist.get_backend())
+
+
+def _devices_used(env: _Env) -> int:
+    """Distinct devices the ranks run on (ranks sharing a GPU share its compute and bandwidth)."""
+    if env.device.type != "cuda":
+        return 1
+    uuid = str(torch.cuda.get_device_properties(env.device).uuid)
+    names = [None] * env.world
+    dist.all_gather_object(names, uuid)
+    return len(set(names))
 
 
 def _sync(env: _Env) -> None:
@@ -908,11 +939,12 @@ def _line(r: _Row) -> str:
 
 
 _FIELDS = [
-    "date", "device", "torch", "commit", "world_size", "ranks_per_node", "backend", "collective", "method", "format",
+    "date", "device", "torch", "commit", "world_size", "ranks_per_node", "backend", "emulated_nodes", "devices_used",
+    "collective", "method", "format",
     "algorithm", "channels", "threshold_scale", "thresholds", "dtype", "pattern", "size_bytes", "sparsity",
     "input_sparsity", "output_sparsity", "time_ms", "time_min_ms", "time_max_ms", "algbw_GBps", "busbw_GBps",
     "bytes_sent", "dense_bytes", "bytes_ratio", "chosen", "message_formats", "speedup_vs_nccl", "speedup_vs_naive",
-    "predicted_ms", "warmup", "iters", "peak_mem_GiB", "verified", "error",
+    "predicted_ms", "auto_vs_best", "warmup", "iters", "peak_mem_GiB", "verified", "error",
 ]  # fmt: skip
 
 
@@ -956,6 +988,7 @@ def _write_csv(rows: list[_Row], path: pathlib.Path, meta: dict[str, object]) ->
                     "message_formats": r.message_formats,
                     "speedup_vs_nccl": opt(r.speedup_vs_nccl, 4),
                     "speedup_vs_naive": opt(r.speedup_vs_naive, 4),
+                    "auto_vs_best": opt(r.auto_vs_best, 4),
                     "predicted_ms": opt(r.predicted_ms, 6),
                     "warmup": r.warmup,
                     "iters": r.iters,
@@ -1123,12 +1156,45 @@ def _summary(rows: list[_Row], world: int) -> None:
     )
 
 
+
+_FIXED = ("nccl", "pici/ring", "pici/direct", "coo/ring", "coo/direct")
+_AUTO_WITHIN = 1.10  # auto within 10% of the best fixed candidate (the links issue)
+
+
+def _rate_auto(rows: list[_Row]) -> None:
+    """Set ``auto_vs_best`` on the ``auto/auto`` rows from the fixed candidates of the same point."""
+
+    def point(r: _Row) -> tuple:
+        return (r.collective, r.dtype, r.pattern, r.size_bytes, r.sparsity, r.channels, r.threshold_scale)
+
+    best: dict[tuple, float] = {}
+    for r in rows:
+        if r.method in _FIXED and r.verified and not math.isnan(r.time_ms):
+            best[point(r)] = min(best.get(point(r), math.inf), r.time_ms)
+    for r in rows:
+        if r.method == "auto/auto" and r.verified and point(r) in best:
+            r.auto_vs_best = r.time_ms / best[point(r)]
+
+
+def _auto_summary(rows: list[_Row]) -> None:
+    """How far ``auto/auto`` was from the best fixed candidate, worst point first."""
+    rated = sorted((r for r in rows if r.auto_vs_best is not None), key=lambda r: -r.auto_vs_best)
+    if not rated:
+        return
+    worst = rated[0]
+    over = [r for r in rated if r.auto_vs_best > _AUTO_WITHIN]
+    print(
+        f"auto/auto within {_AUTO_WITHIN - 1:.0%} of the best fixed candidate ({', '.join(_FIXED)}) at every point: "
+        f"{'PASS' if not over else 'FAIL'} ({len(rated) - len(over)} of {len(rated)}; worst {worst.auto_vs_best:.2f}x at "
+        f"{worst.collective} {benchlib.size_label(worst.size_bytes)} {worst.sparsity:g}%, chose {worst.chosen or '-'})"
+    )
+
 # ---------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
     settings = _settings(argv)
-    env = _init(settings.smoke)
+    env = _init(settings.smoke, settings.emulate_nodes)
     if env is None:
         print(
             "run under torchrun, e.g. torchrun --standalone --nproc-per-node=4 bench/bench_collectives.py "
@@ -1165,6 +1231,8 @@ def _main(settings: _Settings, env: _Env) -> int:
         "world_size": env.world,
         "ranks_per_node": settings.ranks_per_node or env.world,
         "backend": env.backend,
+        "emulated_nodes": settings.emulate_nodes,
+        "devices_used": _devices_used(env),
     }
     stem = settings.out_dir / f"collectives_{benchlib.slug(device_name)}x{env.world}_{now.date().isoformat()}"
     if settings.graphs:
@@ -1181,7 +1249,8 @@ def _main(settings: _Settings, env: _Env) -> int:
     if lead:
         settings.out_dir.mkdir(parents=True, exist_ok=True)
         print(
-            f"device: {device_name} x {env.world} ({env.backend}, ranks_per_node {meta['ranks_per_node']})   "
+            f"device: {env.world} ranks on {meta['devices_used']} x {device_name} ({env.backend}, ranks_per_node "
+            f"{meta['ranks_per_node']}{', emulated nodes' if settings.emulate_nodes > 1 else ''})   "
             f"torch {meta['torch']}   commit {meta['commit']}   {meta['date']}"
         )
         print(
@@ -1234,11 +1303,13 @@ def _report(
     if skipped:
         print(f"time limit ({settings.time_limit_s:g} s) reached: {skipped} of {total} cases skipped", flush=True)
     csv_path = stem.with_suffix(".csv")
+    _rate_auto(rows)
     _write_csv(rows, csv_path, meta)
-    title = f"{meta['device']} x {env.world}, torch {meta['torch']}, commit {meta['commit']}, {meta['date']}"
+    title = f"{env.world} ranks on {meta['devices_used']} x {meta['device']}, torch {meta['torch']}, commit {meta['commit']}, {meta['date']}"
     pngs = _plot(rows, stem, title) if settings.plot and rows else []
     print(f"\n{len(rows)} points in {elapsed:.1f} s; wrote {csv_path}" + "".join(f"\n  {p}" for p in pngs))
     _summary(rows, env.world)
+    _auto_summary(rows)
 
 
 if __name__ == "__main__":
