@@ -1,10 +1,11 @@
 """The collectives over NCCL with the CUDA kernels, against a float64 dense reference.
 
-Skipped without two GPUs and the compiled kernels. On the GPU machine:
-``NCCL_NVLS_ENABLE=0 python -m pytest tests/test_collectives_cuda.py -q``. The multi-GPU test
-spawns one process per GPU (up to 4) with a ``file://`` rendezvous under tmp_path; each rank
-runs every collective x algorithm x format x dtype x sparsity x channel count and writes its
-failures to a file the test reads.
+Skipped without a GPU and the compiled kernels. On the GPU machine:
+``NCCL_NVLS_ENABLE=0 python -m pytest tests/test_collectives_cuda.py -q``. The multi-rank tests
+spawn one process per GPU (up to 4; two sharing the GPU as emulated nodes on a machine of one,
+``tests/_gpu_ranks.py``) with a ``file://`` rendezvous under tmp_path; each rank runs every
+collective x algorithm x format x dtype x sparsity x channel count and writes its failures to a
+file the test reads.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import spccl_train
 from spccl_train._ext import kernels_available
 from spccl_train.collectives import ChunkLayout, CollectiveConfig, last_stats
 from spccl_train.collectives.chunking import count_nonzero_pieces
+
+from _gpu_ranks import gpu_world, init_gpu_rank  # noqa: I001 (a sibling test module)
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and kernels_available()),
@@ -44,13 +47,6 @@ def test_encoder_counts_match_torch(dtype, aligned, world, channels):
     assert count_nonzero_pieces(alone, layout, [1], base=own.start).tolist() == expected[channels : 2 * channels]
 
 
-def _init_rank(rank: int, world: int, init_file: str) -> torch.device:
-    """This process's GPU, with the NCCL group joined through the ``file://`` rendezvous."""
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    return torch.device("cuda", rank)
-
-
 def _finish_rank(rank: int, out_dir: str, failures: list[str]) -> None:
     """Write this rank's failures (an empty file: none) where the test reads them; leave the group."""
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
@@ -62,14 +58,14 @@ def _run_ranks(fn, tmp_path, monkeypatch) -> None:
     """Spawn ``fn(rank, world, init_file, out_dir)`` on up to 4 GPUs and fail with any rank's failures."""
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # NVLink multicast can take shared GPUs out of service
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    world = min(4, torch.cuda.device_count())
+    world = gpu_world()
     torch.multiprocessing.spawn(fn, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world)
     for rank in range(world):
         assert (tmp_path / f"rank{rank}.txt").read_text() == "", (tmp_path / f"rank{rank}.txt").read_text()
 
 
 def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    dev = _init_rank(rank, world, init_file)
+    dev = init_gpu_rank(rank, world, init_file)
     failures = []
     cases = itertools.product(
         ["all_reduce", "reduce_scatter", "all_gather"],
@@ -110,7 +106,6 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     _finish_rank(rank, out_dir, failures)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_collectives_over_nccl(tmp_path, monkeypatch):
     _run_ranks(_rank, tmp_path, monkeypatch)
 
@@ -147,7 +142,7 @@ def _matches(collective: str, out: torch.Tensor, xs: torch.Tensor, rank: int) ->
 def _rank_graphs(rank: int, world: int, init_file: str, out_dir: str) -> None:
     from spccl_train.collectives import cached_graphs, clear_graphs
 
-    dev = _init_rank(rank, world, init_file)
+    dev = init_gpu_rank(rank, world, init_file)
     failures = []
     cases = itertools.product(
         ["all_reduce", "reduce_scatter", "all_gather"],
@@ -213,7 +208,6 @@ def _rank_graphs(rank: int, world: int, init_file: str, out_dir: str) -> None:
     _finish_rank(rank, out_dir, failures)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_bounded_calls_replay_cuda_graphs(tmp_path, monkeypatch):
     """cuda_graphs: eager, then captured, then replayed, each result exact on fresh data in the same tensors."""
     _run_ranks(_rank_graphs, tmp_path, monkeypatch)
@@ -222,7 +216,7 @@ def test_bounded_calls_replay_cuda_graphs(tmp_path, monkeypatch):
 def _rank_graphs_exchanged(rank: int, world: int, init_file: str, out_dir: str) -> None:
     from spccl_train.collectives import clear_graphs
 
-    dev = _init_rank(rank, world, init_file)
+    dev = init_gpu_rank(rank, world, init_file)
     failures = []
     cases = itertools.product(
         ["all_reduce", "reduce_scatter", "all_gather"], ["pici", "auto"], [torch.float32, torch.bfloat16]
@@ -262,7 +256,6 @@ def _rank_graphs_exchanged(rank: int, world: int, init_file: str, out_dir: str) 
     _finish_rank(rank, out_dir, failures)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_graphed_calls_without_bounds_plan_from_exchanged_counts(tmp_path, monkeypatch):
     """cuda_graphs without bounds: one count exchange per call, bounds derived from it and kept while
     the counts fit, so calls on fresh supports replay; a call that outgrows them runs eagerly."""

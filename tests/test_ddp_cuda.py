@@ -1,7 +1,8 @@
-"""The DDP comm hook over NCCL with the CUDA and Triton kernels (skipped without two GPUs).
+"""The DDP comm hook over NCCL with the CUDA and Triton kernels (skipped without a GPU).
 
 On the GPU machine: ``NCCL_NVLS_ENABLE=0 python -m pytest tests/test_ddp_cuda.py -q``. Spawns one
-process per GPU (up to 4) with a ``file://`` rendezvous under tmp_path; each rank writes its
+process per GPU (up to 4; two sharing the GPU as emulated nodes on a machine of one,
+``tests/_gpu_ranks.py``) with a ``file://`` rendezvous under tmp_path; each rank writes its
 failures to a file the test reads.
 """
 
@@ -17,9 +18,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from spccl_train._ext import kernels_available
 from spccl_train.ddp import SparseHookState, sparse_allreduce_hook
 
+from _gpu_ranks import gpu_world, init_gpu_rank  # noqa: I001 (a sibling test module)
+
 pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and kernels_available()),
-    reason="needs two GPUs and the compiled spccl CUDA kernels",
+    not (torch.cuda.is_available() and kernels_available()),
+    reason="needs a GPU and the compiled spccl CUDA kernels",
 )
 
 
@@ -29,16 +32,14 @@ def _model(device: torch.device) -> nn.Module:
 
 
 def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    device = init_gpu_rank(rank, world, init_file)
     failures = []
     try:
         g = torch.Generator(device=device).manual_seed(10 + rank)
         # Pruning off: the same gradients as default DDP, in line, on a side stream, on a thread.
         for overlap in (False, "stream", True):
-            reference = DDP(_model(device), device_ids=[rank], bucket_cap_mb=0.5)
-            hooked = DDP(_model(device), device_ids=[rank], bucket_cap_mb=0.5)
+            reference = DDP(_model(device), device_ids=[device.index], bucket_cap_mb=0.5)
+            hooked = DDP(_model(device), device_ids=[device.index], bucket_cap_mb=0.5)
             hooked.register_comm_hook(
                 SparseHookState(prune=False, format="pici", overlap=overlap), sparse_allreduce_hook
             )
@@ -52,7 +53,7 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
         # Pruned training, bf16 model too: runs, stays finite, keeps about 1%, sends less than dense
         # (Pici ring forced: with buckets this small, "auto" rightly picks dense).
         for dtype in (torch.float32, torch.bfloat16):
-            model = DDP(_model(device).to(dtype), device_ids=[rank], bucket_cap_mb=0.5)
+            model = DDP(_model(device).to(dtype), device_ids=[device.index], bucket_cap_mb=0.5)
             state = SparseHookState(density=0.01, sample_fraction=0.05, format="pici", algorithm="ring")
             model.register_comm_hook(state, sparse_allreduce_hook)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -68,7 +69,7 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
         # Bounded planning (capacity_factor): exchanges only in the first sparse iteration, in every
         # overlap mode; the decoders never see a broken bound.
         for overlap in (False, "stream", True):
-            model = DDP(_model(device), device_ids=[rank], bucket_cap_mb=0.5)
+            model = DDP(_model(device), device_ids=[device.index], bucket_cap_mb=0.5)
             state = SparseHookState(
                 density=0.01, sample_fraction=0.05, format="pici", capacity_factor=2.0, overlap=overlap
             )
@@ -90,7 +91,7 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 def test_hook_over_nccl(tmp_path, monkeypatch):
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
-    world = min(4, torch.cuda.device_count())
+    world = gpu_world()
     torch.multiprocessing.spawn(_rank, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world)
     problems = [(tmp_path / f"rank{r}.txt").read_text() for r in range(world)]
     assert not any(problems), "\n".join(problems)

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine (device tool): set up, then run the named stages, logs under $OUT.
+#   bash bench/device_session.sh tests            # versions, kernel build, every CUDA test that one GPU runs
+#   bash bench/device_session.sh sweep 2 4        # emulated-node collective sweeps: 2 ranks, then 4, on GPU 0
+# Stages run in order; a failing stage is reported and the next one still runs; the exit status is
+# the number of failed stages. The GPU image has torch and Triton but not this package: it is
+# installed editable without dependencies (metadata only; the kernels build on first use).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/spccl-out}
+mkdir -p "$OUT"
+commit=${SPCCL_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export SPCCL_GIT_COMMIT=$commit
+failed=0
+stage() {  # stage NAME COMMAND...: run, tee to $OUT/NAME.log, count a failure
+  local name=$1
+  shift
+  echo "=== $name: $*" | tee "$OUT/$name.log"
+  local start=$SECONDS
+  "$@" 2>&1 | tee -a "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$OUT/$name.log"
+  [ "$rc" -eq 0 ] || failed=$((failed + 1))
+}
+
+{
+  echo "commit $commit, $(date -u +%FT%TZ)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+} | tee "$OUT/device.txt"
+SPCCL_NO_BUILD_EXT=1 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
+  || { cat "$OUT/install.log"; exit 100; }
+
+while [ $# -gt 0 ]; do
+  case $1 in
+    tests)
+      stage versions python3 -m spccl_train.versions
+      stage build python3 -c 'from spccl_train._ext import load_kernels; load_kernels(); print("kernels loaded")'
+      stage gpu_tests python3 -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py tests/test_pruning.py \
+        tests/test_pruning_schedule.py tests/test_optim.py tests/test_versions.py tests/test_collectives_cuda.py \
+        tests/test_ddp_cuda.py
+      shift
+      ;;
+    sweep)
+      shift
+      while [ $# -gt 0 ] && [[ $1 =~ ^[0-9]+$ ]]; do
+        stage "sweep_$1" torchrun --standalone --nproc-per-node="$1" bench/bench_collectives.py --emulate-nodes "$1" \
+          --collectives all_reduce --sizes 64M,256M,1G --sparsities 90,95,99,99.9 \
+          --methods nccl,auto/auto,pici/ring,pici/direct,coo/ring,coo/direct --iters 5 --iters-large 3 --warmup 1 \
+          --point-budget-s 4 --time-limit-s 200 --no-plot --out-dir "$OUT"
+        shift
+      done
+      ;;
+    *)
+      echo "unknown stage $1" >&2
+      exit 101
+      ;;
+  esac
+done
+exit "$failed"
