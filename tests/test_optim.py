@@ -135,7 +135,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_experiment_config_picks_the_optimizer():
-    params = [torch.zeros(2, requires_grad=True)]
+    params = [torch.zeros(2, device=DEVICE, requires_grad=True)]  # the optimizer picks fused by the params' device
     cfg = ExperimentConfig()
     adamw = make_optimizer(iter(params), cfg.optim)
     assert isinstance(adamw, torch.optim.AdamW) and adamw.param_groups[0]["params"] == params
