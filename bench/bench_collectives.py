@@ -112,11 +112,14 @@ from spccl_train.collectives import (
     CollectiveConfig,
     CollectiveStats,
     Thresholds,
+    Topology,
     clearing_graphs,
     last_stats,
 )
 from spccl_train.formats import Format
+from spccl_train.collectives.links import measured_model
 from spccl_train.emulation import emulate_nodes as emulate_nodes_env
+from spccl_train.transport import P2PTransport
 from spccl_train.transport.dense import all_gather_flat, reduce_scatter_flat
 
 __all__ = ["main"]
@@ -940,6 +943,7 @@ def _line(r: _Row) -> str:
 
 _FIELDS = [
     "date", "device", "torch", "commit", "world_size", "ranks_per_node", "backend", "emulated_nodes", "devices_used",
+    "measured",
     "collective", "method", "format",
     "algorithm", "channels", "threshold_scale", "thresholds", "dtype", "pattern", "size_bytes", "sparsity",
     "input_sparsity", "output_sparsity", "time_ms", "time_min_ms", "time_max_ms", "algbw_GBps", "busbw_GBps",
@@ -1259,6 +1263,12 @@ def _main(settings: _Settings, env: _Env) -> int:
             f"slowest rank; barrier before each call; sizes: all-reduce tensor, all-gather output, reduce-scatter input"
         )
         print(_HEADER, flush=True)
+
+    if any(m.startswith("auto") for m in settings.methods):  # the model auto will use, measured now, shown
+        measured = measured_model(P2PTransport(), Topology(env.world, settings.ranks_per_node), env.device)
+        meta["measured"] = measured.describe()
+        if lead:
+            print(f"measured: {meta['measured']}", flush=True)
 
     def show(row: _Row) -> None:
         if lead:

@@ -400,7 +400,8 @@ def _model(
     if isinstance(config.cost_model, CostModel):
         return config.cost_model, "given"
     if config.cost_model == "measured" and transport.world > 1:
-        return measured_model(transport, topology, transport.exchange_device(device))
+        measured = measured_model(transport, topology, transport.exchange_device(device))
+        return measured.model, measured.tag
     model = _default_models.get(device.type)
     if model is None:
         model = _default_models[device.type] = CostModel.default(device)

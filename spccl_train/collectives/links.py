@@ -45,7 +45,7 @@ from ..transport import P2PTransport
 from .cost import CodecCost, CostModel, LinkCost
 from .topology import Topology
 
-__all__ = ["LinkProbe", "probe_links", "codec_costs", "measured_model", "forget_measured"]
+__all__ = ["LinkProbe", "Measured", "probe_links", "codec_costs", "measured_model", "forget_measured"]
 
 _log = logging.getLogger(__name__)
 
@@ -242,11 +242,29 @@ def _device_seconds(fn, device: torch.device) -> float:
 # ----------------------------------------------------------------------------- the model
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Measured:
+    """A group's measured cost model and what went into it."""
+
+    model: CostModel
+    tag: str
+    """Names the model in memoised decisions (changes when the model does)."""
+    links: LinkProbe
+
+    def describe(self) -> str:
+        pici, coo = self.model.pici, self.model.coo
+        return (
+            f"{self.links.describe()}; Pici encode / decode / accumulate {pici.compress / 1e9:.1f} / "
+            f"{pici.decompress / 1e9:.1f} / {pici.accumulate / 1e9:.1f} GB/s, COO {coo.compress / 1e9:.1f} / "
+            f"{coo.decompress / 1e9:.1f} / {coo.accumulate / 1e9:.1f} GB/s"
+        )
+
+
 _measured: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def measured_model(transport: P2PTransport, topology: Topology, device: torch.device) -> tuple[CostModel, str]:
-    """The group's measured :class:`CostModel` and a tag naming it (for memoised decisions).
+def measured_model(transport: P2PTransport, topology: Topology, device: torch.device) -> Measured:
+    """The group's measured :class:`CostModel`, with a tag naming it and the probe's figures.
 
     Probed on the first call per (group, nodes layout, device type); later calls reuse it.
     Collective on that first call: every rank of the group must make it, as every collective call
@@ -267,9 +285,10 @@ def measured_model(transport: P2PTransport, topology: Topology, device: torch.de
             pici=codecs["pici"],
             coo=codecs["coo"],
         )
-        found = per_group[key] = (model, f"measured:{zlib.crc32(model.fingerprint().encode()):08x}")
+        tag = f"measured:{zlib.crc32(model.fingerprint().encode()):08x}"
+        found = per_group[key] = Measured(model=model, tag=tag, links=links)
         if transport.rank == 0:
-            _log.info("spccl_train: measured links of a group of %d: %s", transport.world, links.describe())
+            _log.info("spccl_train: measured a group of %d: %s", transport.world, found.describe())
     return found
 
 
