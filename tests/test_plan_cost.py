@@ -352,3 +352,33 @@ def test_calls_planned_from_bounds_are_priced_without_planning(collective):
     a = decide(collective, cfg, "k", table, layout, F32, Topology(4), model, 1)[1]
     b = decide(collective, cfg, "k", table, layout, F32, Topology(4), model, 0)[1]
     assert a.keys() == b.keys() and all(b[name] == pytest.approx(a[name] - saved) for name in a)
+
+
+def test_direct_steps_pay_one_latency_per_wave_and_rings_one_per_step():
+    """An exchange posts to every peer at once: 4 ranks on 4 nodes, one wave, pay one latency, not
+    three; a ring all-gather pays one per step (p - 1)."""
+    layout = ChunkLayout.equal(4 * 64 * TILE, 4)
+    table = _table(layout, 0.01)
+    slow, instant = LinkCost(latency_s=1.0, bandwidth=1e9), LinkCost(latency_s=0.0, bandwidth=1e9)
+    cfg = CollectiveConfig(format="pici")
+    _, late = _choose("all_gather", cfg, layout, table, _model(inter=slow), rpn=1)
+    _, prompt = _choose("all_gather", cfg, layout, table, _model(inter=instant), rpn=1)
+    assert math.isclose(late["direct/pici"] - prompt["direct/pici"], 1.0)
+    assert math.isclose(late["ring/pici"] - prompt["ring/pici"], 3.0)
+
+
+def test_collective_bandwidth_prices_direct_and_native_but_not_ring():
+    layout = ChunkLayout.equal(4 * 64 * TILE, 4)
+    table = _table(layout, 0.05)
+    plain = LinkCost(latency_s=0.0, bandwidth=1e8)
+    grouped = LinkCost(latency_s=0.0, bandwidth=1e8, collective_bandwidth=1e9)
+    assert grouped.grouped_bandwidth == 1e9 and plain.grouped_bandwidth == 1e8
+    cfg = CollectiveConfig(format="pici")
+    _, base = _choose("all_gather", cfg, layout, table, _model(inter=plain), rpn=1)
+    _, fast = _choose("all_gather", cfg, layout, table, _model(inter=grouped), rpn=1)
+    assert fast["ring/pici"] == base["ring/pici"]
+    assert fast["direct/pici"] < base["direct/pici"]
+    native = [m.predict_native("all_gather", layout.numel, F32, Topology(4, 1)) for m in (_model(inter=plain), _model(inter=grouped))]
+    assert native[1] < native[0]
+    with pytest.raises(ValueError, match="collective_bandwidth=0"):
+        LinkCost(latency_s=0.0, bandwidth=1.0, collective_bandwidth=0)

@@ -5,9 +5,10 @@ A plan's time is predicted step by step. In a ring step every rank encodes what 
 puts it on the link (``latency + bytes / bandwidth`` of the intra- or inter-node link) and decodes
 what it receives (accumulate in a reduction, overwrite in a gather); the step takes as long as
 its slowest rank, and steps add up. A direct step (one all-to-all or all-gather per wave of
-pieces) costs each rank its encodes, then the larger of its outgoing and incoming wire time plus
-one latency per peer and wave, then its decodes; the slowest rank sets the time. The dense baseline (the native
-``torch.distributed`` collective) is a ring at the slowest link's speed. Every prediction
+pieces) costs each rank its encodes, then the larger of its outgoing and incoming wire time (at
+the links' collective bandwidth) plus one latency per wave (its messages start together), then
+its decodes; the slowest rank sets the time. The dense baseline (the native
+``torch.distributed`` collective) is a ring at the slowest link's collective bandwidth. Every prediction
 includes the count passes and planning exchanges (one; two for a sparse all-reduce); the dense
 baseline pays one too, since the call counts before it can choose.
 
@@ -40,11 +41,22 @@ class LinkCost:
     latency_s: float
     """Start-up time of one message (alpha), seconds."""
     bandwidth: float
-    """Bytes per second one rank pushes in one direction (1 / beta)."""
+    """Bytes per second one rank pushes in one direction (1 / beta), point to point (a ring step)."""
+    collective_bandwidth: float | None = None
+    """The same through the backend's collectives (the direct algorithm's all-to-all and
+    all-gather, and the native call); ``None``: ``bandwidth``. They differ on NCCL's socket
+    transport, where collectives spread over more channels than point-to-point calls."""
 
     def __post_init__(self) -> None:
         _positive(self, "latency_s", allow_zero=True)
         _positive(self, "bandwidth")
+        if self.collective_bandwidth is not None:
+            _positive(self, "collective_bandwidth")
+
+    @property
+    def grouped_bandwidth(self) -> float:
+        """Bandwidth through the backend's collectives."""
+        return self.collective_bandwidth or self.bandwidth
 
     def seconds(self, nbytes: int) -> float:
         """``alpha + n * beta``."""
@@ -212,7 +224,8 @@ class CostModel:
         if p == 1:
             return total
         chunk = numel * element_size(dtype) / p
-        hop = self.link(topology.ring_crosses_nodes).seconds(int(chunk))
+        link = self.link(topology.ring_crosses_nodes)
+        hop = link.latency_s + chunk / link.grouped_bandwidth
         gather = (p - 1) * hop
         scatter = (p - 1) * (hop + chunk / self.reduce)
         if collective == "all_gather":
@@ -257,7 +270,7 @@ class CostModel:
                 encode[m.src] += self._encode(m) if m.sparse else m.dense_nbytes / self.copy
             decode[m.dst] += self._decode(m, step.phase, copied=True)
             if step.route is not Route.ALL_GATHER:
-                wire = m.nbytes / self.link(m.inter_node).bandwidth
+                wire = m.nbytes / self.link(m.inter_node).grouped_bandwidth
                 out_wire[m.src] += wire
                 in_wire[m.dst] += wire
             peers.add((m.src, m.dst, m.piece))
@@ -266,13 +279,19 @@ class CostModel:
             for src in range(p):
                 for dst in range(p):
                     if src != dst:
-                        wire = step.slot_bytes / self.link(plan.topology.is_inter(src, dst)).bandwidth
+                        wire = step.slot_bytes / self.link(plan.topology.is_inter(src, dst)).grouped_bandwidth
                         out_wire[src] += wire
                         in_wire[dst] += wire
                         peers.update((src, dst, k) for k in waves)
+        # One latency per wave: an exchange posts its messages to every peer at once, so their
+        # start-up times overlap; the slowest hop kind the rank uses in the wave sets it.
+        slowest: dict[tuple[int, int], float] = {}
+        for src, dst, wave in peers:
+            here = self.link(plan.topology.is_inter(src, dst)).latency_s
+            slowest[src, wave] = max(slowest.get((src, wave), 0.0), here)
         latency = [0.0] * p
-        for src, dst, _ in peers:
-            latency[src] += self.link(plan.topology.is_inter(src, dst)).latency_s
+        for (src, _), seconds in slowest.items():
+            latency[src] += seconds
         return max(encode[r] + max(out_wire[r], in_wire[r]) + latency[r] + decode[r] for r in range(p))
 
 

@@ -97,13 +97,19 @@ def probe_links(transport: P2PTransport, topology: Topology, device: torch.devic
     if rpn < p:  # the ring across nodes, among ranks of the same local rank
         rings["inter"] = ((r + rpn) % p, (r - rpn) % p)
     measured: dict[str, LinkCost | None] = {"intra": None, "inter": None}
+    grouped = _fit_all_to_all(transport, device) if p > 1 else None
     for kind in ("intra", "inter"):
         # Every rank must run the same probes in the same order: decide from the topology, which
         # all ranks share, not from this rank's own ring (a node of one rank has no intra ring).
         if kind == "intra" and not min(rpn, p) > 1 or kind == "inter" and not rpn < p:
             continue
         right, left = rings[kind]
-        measured[kind] = _fit_link(transport, device, right, left)
+        link = _fit_link(transport, device, right, left)
+        # The group's all-to-all crosses its slowest hops: it prices the collectives on inter-node
+        # links where there are any, and on intra-node links on one node.
+        if grouped is not None and (kind == "inter" or rpn >= p):
+            link = dataclasses.replace(link, collective_bandwidth=grouped)
+        measured[kind] = link
     row = torch.zeros(8, dtype=torch.int64, device=transport.exchange_device(device))
 
     def exchange() -> None:
@@ -118,26 +124,58 @@ def probe_links(transport: P2PTransport, topology: Topology, device: torch.devic
 def _fit_link(transport: P2PTransport, device: torch.device, right: int, left: int) -> LinkCost:
     """Alpha-beta terms of sending to ``right`` while receiving from ``left`` (all ranks at once)."""
 
-    def send(nbytes: int) -> float:
+    def send(nbytes: int):
         out = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
         into = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        ring = right != transport.rank
 
         def step() -> None:
-            if ring:
+            if right != transport.rank:
                 for work in transport.send_recv([(right, out)], [(left, into)]):
                     work.wait()
 
+        return step
+
+    latency, bandwidth = _fit(transport, device, send, pushed=lambda n: n)
+    return LinkCost(latency_s=latency, bandwidth=bandwidth)
+
+
+def _fit_all_to_all(transport: P2PTransport, device: torch.device) -> float:
+    """Bandwidth one rank pushes through an all-to-all of the whole group (the direct algorithm's route)."""
+    p = transport.world
+
+    def exchange(nbytes: int):
+        share = max(1, nbytes // p)
+        out = torch.empty(share * p, dtype=torch.uint8, device=device).fill_(1)
+        into = torch.empty(share * p, dtype=torch.uint8, device=device)
+
+        def step() -> None:
+            work = transport.all_to_all(into, out, [share] * p, [share] * p)
+            if work is not None:
+                work.wait()
+
+        return step
+
+    return _fit(transport, device, exchange, pushed=lambda n: max(1, n // p) * (p - 1))[1]
+
+
+def _fit(transport: P2PTransport, device: torch.device, make, pushed) -> tuple[float, float]:
+    """``(latency_s, bytes per second)`` of the step ``make(nbytes)`` builds, fitted from a small
+    size and one grown by 4x from 1 MiB until it takes a few milliseconds; ``pushed(nbytes)``: the
+    bytes one rank puts on the wire in it. Every rank gets the slowest rank's figures."""
+
+    def seconds(nbytes: int) -> float:
+        step = make(nbytes)
         return _slowest(transport, device, statistics.median(_times(transport, device, step, _REPEATS)))
 
-    small = send(_SMALL)
-    nbytes, large = _FIRST_LARGE, send(_FIRST_LARGE)
+    small = seconds(_SMALL)
+    nbytes, large = _FIRST_LARGE, seconds(_FIRST_LARGE)
     largest = _LARGEST.get(device.type, _LARGEST["cpu"])
     while large < _LONG_ENOUGH_S and nbytes * 4 <= largest:
         nbytes *= 4
-        large = send(nbytes)
+        large = seconds(nbytes)
     slope = large - small if large > small else large
-    return LinkCost(latency_s=max(small, 0.0), bandwidth=(nbytes - _SMALL) / slope if slope > 0 else 1e15)
+    extra = pushed(nbytes) - pushed(_SMALL)
+    return max(small, 0.0), (extra / slope if slope > 0 and extra > 0 else 1e15)
 
 
 def _times(transport: P2PTransport, device: torch.device, fn, repeats: int) -> list[float]:
