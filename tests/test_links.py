@@ -174,3 +174,20 @@ def test_emulated_node_errors_name_the_value_and_the_fix(args, match):
 def test_emulated_nodes_need_the_launch_variables():
     with pytest.raises(ValueError, match="need LOCAL_RANK and LOCAL_WORLD_SIZE"):
         emulate_nodes(2, {})
+
+
+def _job_sharing(rank, world, cache_dir):
+    os.environ["SPCCL_CACHE_DIR"] = cache_dir
+    links.forget_measured()
+    measured = links.measured_model(P2PTransport(), Topology(world), torch.device("cpu"))
+    return measured.model.pici.compress, measured.model.coo.accumulate
+
+
+def test_ranks_sharing_a_device_split_its_codec_throughput(pools, tmp_path):
+    got = pools(3).run(_job_sharing, str(tmp_path))
+    assert all(g == got[0] for g in got)
+    (path,) = (tmp_path / "codecs").iterdir()  # one calibration, made by the first rank in turn
+    saved = json.loads(path.read_text())
+    # three gloo ranks share the CPU: each is priced at a third of what the device did alone
+    assert got[0][0] * 3 == pytest.approx(saved["pici"]["compress"], rel=1e-9)
+    assert got[0][1] * 3 == pytest.approx(saved["coo"]["accumulate"], rel=1e-9)

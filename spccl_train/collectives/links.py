@@ -15,7 +15,9 @@ default) measures, collectively, on every rank of the group:
   exchange of every call without bounds is;
 - **codecs**: Pici and COO encode / decode / accumulate on random 99% sparse fp32 data, timed on
   this device once and cached on disk (``$SPCCL_CACHE_DIR``, default ``~/.cache/spccl_train``)
-  under the device's name and the library's version.
+  under the device's name and the library's version. Ranks that share a device calibrate in turn
+  (at once they would time-slice it and measure each other), and the model divides the device's
+  throughput among them, since during a collective their codecs do run at the same time.
 
 Times are the median of a few repeats, each after a barrier, then the slowest rank's (MAX over
 the group; throughputs its MIN), so every rank holds the same model and decides alike. The whole
@@ -31,6 +33,7 @@ import json
 import logging
 import os
 import pathlib
+import socket
 import statistics
 import time
 import weakref
@@ -314,7 +317,13 @@ def measured_model(transport: P2PTransport, topology: Topology, device: torch.de
     if found is None:
         base = CostModel.default(device)
         links = probe_links(transport, topology, device)
-        codecs = _shared_codecs(transport, device, codec_costs(device))
+        slot, sharing = _device_slot(transport, device)
+        mine = None
+        for turn in range(sharing):  # ranks of one device calibrate in turn: at once, they time-slice it
+            if turn == slot:
+                mine = codec_costs(device)
+            _barrier(transport, device)
+        codecs = _shared_codecs(transport, device, mine, sharing)
         model = dataclasses.replace(
             base,
             intra=links.intra or base.intra,
@@ -330,8 +339,22 @@ def measured_model(transport: P2PTransport, topology: Topology, device: torch.de
     return found
 
 
-def _shared_codecs(transport: P2PTransport, device: torch.device, mine: dict[str, CodecCost]) -> dict[str, CodecCost]:
-    """Every rank's calibration folded into one: the slowest throughput and call of each."""
+def _device_slot(transport: P2PTransport, device: torch.device) -> tuple[int, int]:
+    """``(this rank's index among the ranks sharing its device, the most ranks any device holds)``."""
+    if device.type == "cuda":
+        key = f"{socket.gethostname()}/{torch.cuda.get_device_properties(device).uuid}"
+    else:
+        key = f"{socket.gethostname()}/{device.type}"
+    keys: list[str | None] = [None] * transport.world
+    dist.all_gather_object(keys, key, group=transport.group)
+    return keys[: transport.rank].count(key), max(keys.count(k) for k in set(keys))
+
+
+def _shared_codecs(
+    transport: P2PTransport, device: torch.device, mine: dict[str, CodecCost], sharing: int
+) -> dict[str, CodecCost]:
+    """Every rank's calibration folded into one: the slowest throughput and call of each, the
+    throughputs divided among the ranks that share a device (their codecs run at the same time)."""
     names = ("compress", "decompress", "accumulate", "call_s")
     # throughputs as seconds per byte, so one MAX reduction serves every figure
     values = [1.0 / getattr(mine[f], n) if n != "call_s" else mine[f].call_s for f in ("pici", "coo") for n in names]
@@ -341,7 +364,9 @@ def _shared_codecs(transport: P2PTransport, device: torch.device, mine: dict[str
     out = {}
     for i, fmt in enumerate(("pici", "coo")):
         a = v[4 * i : 4 * i + 4]
-        out[fmt] = CodecCost(compress=1 / a[0], decompress=1 / a[1], accumulate=1 / a[2], call_s=a[3])
+        out[fmt] = CodecCost(
+            compress=1 / a[0] / sharing, decompress=1 / a[1] / sharing, accumulate=1 / a[2] / sharing, call_s=a[3]
+        )
     return out
 
 
