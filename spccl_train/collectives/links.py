@@ -317,12 +317,8 @@ def measured_model(transport: P2PTransport, topology: Topology, device: torch.de
     if found is None:
         base = CostModel.default(device)
         links = probe_links(transport, topology, device)
-        slot, sharing = _device_slot(transport, device)
-        mine = None
-        for turn in range(sharing):  # ranks of one device calibrate in turn: at once, they time-slice it
-            if turn == slot:
-                mine = codec_costs(device)
-            _barrier(transport, device)
+        slot, sharing, turns = _device_slot(transport, device)
+        mine = _in_turn(slot, turns, lambda: codec_costs(device))
         codecs = _shared_codecs(transport, device, mine, sharing)
         model = dataclasses.replace(
             base,
@@ -339,15 +335,37 @@ def measured_model(transport: P2PTransport, topology: Topology, device: torch.de
     return found
 
 
-def _device_slot(transport: P2PTransport, device: torch.device) -> tuple[int, int]:
-    """``(this rank's index among the ranks sharing its device, the most ranks any device holds)``."""
+def _device_slot(transport: P2PTransport, device: torch.device) -> tuple[int, int, str]:
+    """``(this rank's index among the ranks sharing its device, the most ranks any device holds,
+    a key naming the device and this probe)``."""
     if device.type == "cuda":
         key = f"{socket.gethostname()}/{torch.cuda.get_device_properties(device).uuid}"
     else:
         key = f"{socket.gethostname()}/{device.type}"
     keys: list[str | None] = [None] * transport.world
     dist.all_gather_object(keys, key, group=transport.group)
-    return keys[: transport.rank].count(key), max(keys.count(k) for k in set(keys))
+    _probes[key] = _probes.get(key, 0) + 1  # every rank of the device counts its probes alike
+    return keys[: transport.rank].count(key), max(keys.count(k) for k in set(keys)), f"{key}/{_probes[key]}"
+
+
+_probes: dict[str, int] = {}
+
+
+def _in_turn(slot: int, key: str, work):
+    """Run ``work`` after the ranks before this one on its device have run theirs.
+
+    The wait is on the host, through the rendezvous store: a rank waiting in a collective would run
+    a spinning NCCL kernel that time-slices the device with the one calibrating (seen on an H100:
+    every codec then measured ~28 GB/s)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):  # no store to wait on: calibrate at once
+        return work()
+    if slot:
+        store.wait([f"spccl/calibrated/{key}/{slot - 1}"])
+    result = work()
+    store.set(f"spccl/calibrated/{key}/{slot}", "1")
+    return result
 
 
 def _shared_codecs(
