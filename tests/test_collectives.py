@@ -38,6 +38,7 @@ from _pool import pool_factory
 
 import spccl_train
 from spccl_train.collectives import CollectiveConfig, CostModel, Phase, Thresholds, last_stats
+from spccl_train.collectives.choice import NATIVE_MARGIN
 from spccl_train.collectives.chunking import ChunkLayout
 from spccl_train.collectives.cost import CodecCost, LinkCost
 from spccl_train.collectives.plan import message_bytes
@@ -414,7 +415,9 @@ def _job_auto(rank, world, seed):
             cfg = CollectiveConfig(cost_model=_slow_links())
             _run_one(rank, world, collective, xs, cfg, f"auto {collective} {sparsity}")
             stats = last_stats()
-            assert stats.predicted_s == min(stats.candidates.values()) <= stats.candidates["native/dense"]
+            best, native = min(stats.candidates.values()), stats.candidates["native/dense"]
+            # the cheapest candidate, or native when no sparse one wins by NATIVE_MARGIN
+            assert stats.predicted_s == best or (stats.algorithm == "native" and best >= (1 - NATIVE_MARGIN) * native)
             assert stats.elapsed_s > 0
             picks.append((collective, sparsity, stats.algorithm, stats.format.value))
     return picks
