@@ -8,12 +8,13 @@ replays from hypothesis' report.
 
 from __future__ import annotations
 
+import re
 import struct
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, note, settings
+from hypothesis import assume, given, note, settings
 from hypothesis import strategies as st
 
 from spccl_train import formats as F
@@ -498,7 +499,7 @@ def test_decompress_patch_arguments_are_checked():
         F.decompress_into("coo", F.coo_encode(x), x, nnz=0, prior=payload)
     with pytest.raises(TypeError, match="prior must be a torch.uint8"):
         F.decompress_into("pici", payload, x, prior=x)
-    with pytest.raises(CorruptPayloadError, match="shorter than its metadata"):
+    with pytest.raises(CorruptPayloadError, match="Pici prior of 10 bytes does not fit n=100"):
         F.decompress_into("pici", payload, x, prior=payload[:10])
 
 
@@ -582,244 +583,392 @@ def test_accumulate_keeps_negative_zero_and_nan_where_payload_is_zero(fmt):
 
 
 # ----------------------------------------------------------------------------- corrupt payloads
+#
+# What a bad payload gets is specified by the CUDA kernels (csrc/pici.cu, csrc/coo.cu), and the
+# CPU path must agree: the same DecodeStatus bits, and the same destination range afterwards.
+# The models below restate the kernels' checks with numpy, tile by tile / entry by entry,
+# independently of the reference; every decode of a damaged payload is compared with them, with
+# check=False (a status, never an exception) and with check=True (CorruptPayloadError).
+
+STATUS = F.DecodeStatus
 
 
-def _pici_fields(payload: bytes, n: int) -> tuple[list[int], list[int], int]:
+def _size_of(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _align16(k: int) -> int:
+    return -(-k // 16) * 16
+
+
+def _from_raw(raw: bytes, dtype: torch.dtype) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=dtype).clone() if raw else torch.empty(0, dtype=dtype)
+
+
+def _model_pici(raw: bytes, n: int, dtype, before: torch.Tensor, mode: str, prior: bytes | None = None):
+    """(status, range after) of a Pici decode of ``raw`` into a range holding ``before``.
+
+    Kernel rules: nnz = I[NT] above n or above the values the payload holds stops every block
+    (BAD_NNZ, nothing written). Otherwise each tile is checked alone (marks at or past n, its
+    prior's too: PAST_END; I[t+1] < I[t] or I[0] != 0: BAD_INDEX; else a popcount that is not
+    its step: BAD_TILE_COUNT; I[t+1] > nnz: BAD_NNZ) and decoded only if it passes, from
+    A[I[t]:I[t+1]] by column then row.
+    """
+    size = _size_of(dtype)
     tiles = -(-n // 4096)
-    words = list(struct.unpack_from(f"<{64 * tiles}Q", payload, 0))
-    index = list(struct.unpack_from(f"<{tiles + 1}I", payload, 512 * tiles))
-    return words, index, F.pici_layout(n).values_offset
+    metadata = 512 * tiles + _align16(4 * (tiles + 1))
+    assert len(raw) >= metadata, "a size error, not a status"
+    index = list(struct.unpack_from(f"<{tiles + 1}I", raw, 512 * tiles))
+    nnz = index[-1]
+    after = before.clone()
+    if nnz > n or nnz > (len(raw) - metadata) // size:
+        return int(STATUS.BAD_NNZ), after
+    words = np.frombuffer(raw, dtype="<u8", count=64 * tiles).reshape(tiles, 64)
+    prior_words = (
+        np.frombuffer(prior, dtype="<u8", count=64 * tiles).reshape(tiles, 64) if prior is not None else 0 * words
+    )
+    values = _from_raw(raw[metadata : metadata + nnz * size], dtype)
+    rows = np.arange(64, dtype=np.uint64)
+    status = 0
+    for t in range(tiles):
+        marks = ((words[t][:, None] >> rows) & 1).astype(bool)  # [column, row]
+        prior_marks = ((prior_words[t][:, None] >> rows) & 1).astype(bool)
+        position = t * 4096 + 64 * np.arange(64)[None, :] + np.arange(64)[:, None]  # [column, row]
+        lo, hi = index[t], index[t + 1]
+        bad = 0
+        if ((marks | prior_marks) & (position >= n)).any():
+            bad |= STATUS.PAST_END
+        if hi < lo or (t == 0 and lo != 0):
+            bad |= STATUS.BAD_INDEX
+        elif hi - lo != int(marks.sum()):
+            bad |= STATUS.BAD_TILE_COUNT
+        if hi > nnz:
+            bad |= STATUS.BAD_NNZ
+        status |= int(bad)
+        if bad:
+            continue
+        marked = torch.from_numpy(position[marks])  # C order of [column, row]: the order of A
+        mine = values[lo:hi]
+        if mode == "overwrite":
+            after[torch.from_numpy(position[position < n])] = 0
+            after[marked] = mine
+        elif mode == "accumulate":
+            after[marked] = (after[marked].float() + mine.float()).to(after.dtype)
+        else:  # patch: zeros where only the prior marks, then the values
+            after[torch.from_numpy(position[prior_marks & ~marks & (position < n)])] = 0
+            after[marked] = mine
+    return status, after
 
 
-def _pici_build(words: list[int], index: list[int], values: bytes) -> torch.Tensor:
-    raw = struct.pack(f"<{len(words)}Q", *words) + struct.pack(f"<{len(index)}I", *index)
-    return _u8(raw + bytes(-len(raw) % 16) + values)
+def _model_coo(raw: bytes, nnz: int, n: int, dtype, before: torch.Tensor, accumulate: bool):
+    """(status, range after, positions named twice) of a COO decode of ``raw``.
+
+    Kernel rules: an overwrite zeroes the range first (the op does, before the kernel), whatever
+    follows. nnz < 0, above n, or above what the payload holds: BAD_NNZ, nothing (more) written.
+    Otherwise entry i is skipped if its position is >= n (PAST_END) or, being below n, not above
+    entry i - 1's (NOT_ASCENDING); every other entry is decoded. A position decoded twice may
+    hold either value (the kernel's threads race), so those are returned, not compared.
+    """
+    size = _size_of(dtype)
+    after = before.clone() if accumulate else torch.zeros_like(before)
+    if not 0 <= nnz <= n or len(raw) < _align16(4 * nnz) + nnz * size:
+        return int(STATUS.BAD_NNZ), after, set()
+    positions = struct.unpack_from(f"<{nnz}I", raw, 0)
+    values = _from_raw(raw[_align16(4 * nnz) : _align16(4 * nnz) + nnz * size], dtype)
+    status, seen, twice = 0, set(), set()
+    for i, p in enumerate(positions):
+        if p >= n:
+            status |= STATUS.PAST_END
+            continue
+        if i and positions[i - 1] >= p:
+            status |= STATUS.NOT_ASCENDING
+            continue
+        (twice if p in seen else seen).add(p)
+        if accumulate:
+            after[p] = (after[p].float() + values[i].float()).to(after.dtype)
+        else:
+            after[p] = values[i]
+    return int(status), after, twice
 
 
-def _decode_into_guarded(fmt: str, payload: torch.Tensor, n: int, dtype, nnz=None, accumulate=False, match=None):
-    """Decode into the middle of a sentinel-filled dst; the corrupt payload must raise and leave
-    every element (inside the range as well) untouched."""
-    pad = 37
-    dst = torch.full((n + 2 * pad,), 9.0, dtype=dtype)
-    dst[pad - 1] = float("nan")
-    before = _bits(dst).clone()
-    extra = {"nnz": nnz} if fmt == "coo" else {}
-    with pytest.raises(CorruptPayloadError, match=match) as info:
-        F.decompress_into(fmt, payload, dst, offset=pad, n=n, accumulate=accumulate, **extra)
-    assert torch.equal(_bits(dst), before)
-    return str(info.value)
-
-
-def _pici_example(n: int = 4096 + 70, dtype=torch.float32) -> tuple[torch.Tensor, bytes]:
-    x = torch.zeros(n, dtype=dtype)
-    x[[0, 1, 64, 69, 4096, 4096 + 69]] = torch.tensor([1.0, 2.0, 3.0, -4.0, 5.0, 6.0], dtype=dtype)
-    return x, _payload_bytes(F.pici_encode(x))
-
-
-@pytest.mark.parametrize("accumulate", [False, True])
-def test_pici_nnz_beyond_capacity(accumulate):
-    x, payload = _pici_example()
-    words, index, values_offset = _pici_fields(payload, x.numel())
-    assert index == [0, 4, 6]
-    index[2] = 7  # one more than the values present
-    words[64 + 1] |= 1  # keep the popcount consistent so only the capacity is wrong
-    bad = _pici_build(words, index, payload[values_offset:])
-    message = _decode_into_guarded("pici", bad, x.numel(), torch.float32, accumulate=accumulate, match="nnz=7")
-    assert "at most 6" in message
-    with pytest.raises(CorruptPayloadError):
-        F.pici_decode(bad, x.numel(), torch.float32)
-
-
-@pytest.mark.parametrize("accumulate", [False, True])
-def test_pici_nnz_beyond_n(accumulate):
-    n = 70
-    x = torch.ones(n)
-    payload = _payload_bytes(F.pici_encode(x))
-    words, index, values_offset = _pici_fields(payload, n)
-    index[1] = n + 1
-    # Room for n + 1 values, so only "nnz > n" is wrong.
-    bad = _pici_build(words, index, payload[values_offset:] + struct.pack("<f", 1.0))
-    message = _decode_into_guarded("pici", bad, n, torch.float32, accumulate=accumulate, match=f"nnz={n + 1}")
-    assert f"n={n}" in message
-
-
-def test_pici_huge_nnz():
-    x, payload = _pici_example()
-    words, index, values_offset = _pici_fields(payload, x.numel())
-    index[2] = 0xFFFFFFFF
-    bad = _pici_build(words, index, payload[values_offset:])
-    _decode_into_guarded("pici", bad, x.numel(), torch.float32, match="nnz=4294967295")
-
-
-@pytest.mark.parametrize("accumulate", [False, True])
-def test_pici_decreasing_index(accumulate):
-    x, payload = _pici_example()
-    words, index, values_offset = _pici_fields(payload, x.numel())
-    index[1] = 7  # [0, 7, 6]
-    bad = _pici_build(words, index, payload[values_offset:])
-    _decode_into_guarded("pici", bad, x.numel(), torch.float32, accumulate=accumulate, match="decreases at tile 1")
-
-
-@pytest.mark.parametrize("accumulate", [False, True])
-def test_pici_index_not_starting_at_zero(accumulate):
-    x, payload = _pici_example()
-    words, index, values_offset = _pici_fields(payload, x.numel())
-    index[0] = 1
-    bad = _pici_build(words, index, payload[values_offset:])
-    _decode_into_guarded("pici", bad, x.numel(), torch.float32, accumulate=accumulate, match="starts at 1, not 0")
-
-
-@pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("change", ["extra bit", "missing bit", "bit moved to other tile"])
-def test_pici_bit_count_disagrees_with_index(accumulate, change):
-    x, payload = _pici_example()
-    words, index, values_offset = _pici_fields(payload, x.numel())
-    if change == "extra bit":
-        words[7] |= 1 << 40
-    elif change == "missing bit":
-        words[0] &= ~1
-    else:
-        words[0] &= ~1
-        words[64 + 3] |= 1
-    bad = _pici_build(words, index, payload[values_offset:])
-    _decode_into_guarded(
-        "pici", bad, x.numel(), torch.float32, accumulate=accumulate, match="bits set but its index step"
+def _assert_same(actual: torch.Tensor, expected: torch.Tensor, skip=(), what: str = "") -> None:
+    """Bit for bit, but any NaN matches any NaN (accumulation may produce either operand's)."""
+    keep = torch.ones(actual.numel(), dtype=torch.bool)
+    keep[list(skip)] = False
+    same = (_bits(actual) == _bits(expected)) | (torch.isnan(actual) & torch.isnan(expected))
+    bad = torch.nonzero(~same & keep).view(-1)
+    assert not bad.numel(), (
+        f"{what}: {bad.numel()} elements differ from the kernels' rules, first at {bad[:8].tolist()}: "
+        f"got {actual[bad[:8]].tolist()}, expected {expected[bad[:8]].tolist()}"
     )
 
 
-@pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("past", [70, 100, 4095])
-def test_pici_bits_past_the_end(accumulate, past):
-    n = 70
-    x = torch.zeros(n)
-    x[[3, 69]] = torch.tensor([1.0, 2.0])
-    payload = _payload_bytes(F.pici_encode(x))
-    words, index, values_offset = _pici_fields(payload, n)
-    row, col = divmod(past, 64)
-    words[col] |= 1 << row
-    index[1] += 1
-    bad = _pici_build(words, index, payload[values_offset:] + struct.pack("<f", 3.0))
-    _decode_into_guarded("pici", bad, n, torch.float32, accumulate=accumulate, match="past the end")
+def _decode_both_ways(
+    fmt: str,
+    raw: bytes,
+    n: int,
+    dtype,
+    *,
+    nnz: int | None = None,
+    mode: str = "overwrite",
+    prior: bytes | None = None,
+    dst_dtype=None,
+    seed: int = 0,
+) -> tuple[int, str | None]:
+    """Decode ``raw`` into the middle of a random ``dst`` with check=False, then with check=True.
+
+    check=False must return a one-element int32 status equal to the model's and never raise;
+    check=True must raise CorruptPayloadError exactly when that status is nonzero (else return
+    None). Both must leave the range as the model says and everything around it untouched.
+    Returns the status and the exception's message (None when the payload was good).
+    """
+    dst_dtype = dst_dtype or dtype
+    pad = 7
+    start = _make_tensor(n + 2 * pad, dst_dtype, 0.7, seed, specials=3)
+    inside = start[pad : pad + n]
+    if fmt == "pici":
+        expected_status, expected = _model_pici(raw, n, dtype, inside, mode, prior)
+        twice = set()
+    else:
+        expected_status, expected, twice = _model_coo(raw, nnz, n, dtype, inside, mode == "accumulate")
+    kwargs = {"offset": pad, "n": n, "accumulate": mode == "accumulate", "dtype": dtype}
+    if nnz is not None:
+        kwargs["nnz"] = nnz
+    if prior is not None:
+        kwargs["prior"] = _u8(prior)
+    results = []
+    for check in (False, True):
+        dst = start.clone()
+        if not check:
+            status = F.decompress_into(fmt, _u8(raw), dst, check=False, **kwargs)
+            assert status.dtype == torch.int32 and status.shape == (1,)
+            assert int(status) == expected_status, (
+                f"status {int(status)} ({STATUS(int(status))!r}), kernels' rules give "
+                f"{expected_status} ({STATUS(expected_status)!r})"
+            )
+            message = None
+        elif expected_status:
+            with pytest.raises(CorruptPayloadError) as info:
+                F.decompress_into(fmt, _u8(raw), dst, check=True, **kwargs)
+            message = str(info.value)
+        else:
+            assert F.decompress_into(fmt, _u8(raw), dst, check=True, **kwargs) is None
+            message = None
+        what = f"{fmt} {mode} check={check}"
+        assert torch.equal(_bits(dst)[:pad], _bits(start)[:pad]), f"{what}: wrote before the range"
+        assert torch.equal(_bits(dst)[pad + n :], _bits(start)[pad + n :]), f"{what}: wrote after the range"
+        _assert_same(dst[pad : pad + n], expected, twice, what)
+        results.append(message)
+    return expected_status, results[1]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("keep", [0, 1, 15, 512, 4 * 512 - 1])
-def test_pici_payload_shorter_than_metadata(dtype, keep):
-    n = 3 * 4096 + 5  # metadata: 4 tiles of words + 20 bytes of I padded to 32 = 2080
-    payload = F.pici_encode(_make_tensor(n, dtype, 0.1, seed=1, specials=0))
-    _decode_into_guarded("pici", payload[:keep].clone(), n, dtype, match="shorter than its metadata")
-    with pytest.raises(CorruptPayloadError, match="2080 bytes for n="):
-        F.pici_decode(payload[:keep].clone(), n, dtype)
+def _pici_parts(raw: bytes, n: int) -> tuple[list[int], list[int], int]:
+    """B's words, I, and the values' offset of a Pici payload of ``n`` elements."""
+    tiles = -(-n // 4096)
+    words = list(struct.unpack_from(f"<{64 * tiles}Q", raw, 0))
+    index = list(struct.unpack_from(f"<{tiles + 1}I", raw, 512 * tiles))
+    return words, index, F.pici_layout(n).values_offset
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_pici_truncated_values(dtype):
-    n = 500
-    x = _make_tensor(n, dtype, 0.5, seed=3, specials=0)
-    payload = F.pici_encode(x)
-    size = torch.empty((), dtype=dtype).element_size()
-    for cut in (1, size, 3 * size):
-        _decode_into_guarded("pici", payload[:-cut].clone(), n, dtype, match="nnz=")
+def _pici_join(words: list[int], index: list[int], values: bytes) -> bytes:
+    raw = struct.pack(f"<{len(words)}Q", *words) + struct.pack(f"<{len(index)}I", *index)
+    return raw + bytes(-len(raw) % 16) + values
+
+
+def _mark(words: list[int], position: int) -> None:
+    """Set element ``position``'s bit: tile t, row r, column c is bit r of word 64 t + c."""
+    tile, local = divmod(position, 4096)
+    row, column = divmod(local, 64)
+    words[64 * tile + column] |= 1 << row
+
+
+def _unmark(words: list[int], position: int) -> None:
+    tile, local = divmod(position, 4096)
+    row, column = divmod(local, 64)
+    words[64 * tile + column] &= ~(1 << row)
+
+
+MODES = ["overwrite", "accumulate", "patch"]
+PICI_CORRUPTIONS = [
+    "index starts above 0",
+    "index decreases",
+    "bit set, index kept",
+    "bit cleared, index kept",
+    "nnz above n",
+    "values cut short",
+    "bit past the end",
+    "prior bit past the end",
+]
+
+
+def _corrupt_pici(kind: str, x: torch.Tensor, data) -> tuple[bytes, bytes | None, int, str]:
+    """A damaged payload of ``x``: (payload, prior, the status bit it must raise, message regex)."""
+    n, size = x.numel(), _size_of(x.dtype)
+    raw = _payload_bytes(F.pici_encode(x))
+    words, index, values_offset = _pici_parts(raw, n)
+    values = raw[values_offset:]
+    tiles = len(index) - 1
+    prior = None
+    if kind == "index starts above 0":
+        index[0] = data.draw(st.integers(1, 2**32 - 1), label="I[0]")
+        return _pici_join(words, index, values), prior, STATUS.BAD_INDEX, f"starts at {index[0]}, not 0"
+    if kind == "index decreases":
+        t = data.draw(st.integers(1, tiles - 1), label="tile")
+        index[t] = index[t + 1] + data.draw(st.integers(1, 1000), label="by")
+        return _pici_join(words, index, values), prior, STATUS.BAD_INDEX, f"decreases at tile {t}"
+    if kind in ("bit set, index kept", "bit cleared, index kept"):
+        marked = x != 0
+        want = ~marked if kind.startswith("bit set") else marked
+        where = torch.nonzero(want).view(-1)
+        position = int(where[data.draw(st.integers(0, where.numel() - 1), label="which")])
+        (_mark if kind.startswith("bit set") else _unmark)(words, position)
+        t = position // 4096
+        return _pici_join(words, index, values), prior, STATUS.BAD_TILE_COUNT, f"tile {t} has .* bits set"
+    if kind == "nnz above n":
+        index[-1] = n + data.draw(st.integers(1, 2**32 - 1 - n), label="by")
+        return _pici_join(words, index, values), prior, STATUS.BAD_NNZ, f"claims nnz={index[-1]}, but n={n}"
+    if kind == "values cut short":
+        nnz = index[-1]
+        cut = data.draw(st.integers(1, nnz * size), label="cut")
+        keep = nnz - -(-cut // size)
+        return raw[:-cut], prior, STATUS.BAD_NNZ, f"claims nnz={nnz}, but n={n} and the payload holds at most {keep}"
+    if kind == "bit past the end":
+        position = data.draw(st.integers(n, 4096 * tiles - 1), label="position")
+        _mark(words, position)
+        index[-1] += 1  # the last tile's step keeps up with its popcount; one more value
+        values += bytes(size)
+        return _pici_join(words, index, values), prior, STATUS.PAST_END, f"past the end n={n} .*position {position}"
+    assert kind == "prior bit past the end"
+    prior_words = list(words)
+    position = data.draw(st.integers(n, 4096 * tiles - 1), label="position")
+    _mark(prior_words, position)
+    prior = _pici_join(prior_words, index, values)
+    return raw, prior, STATUS.PAST_END, "the prior's bitvector marks nonzeros past the end"
+
+
+@pytest.mark.parametrize(
+    "kind, mode",
+    [(kind, mode) for kind in PICI_CORRUPTIONS for mode in MODES if mode == "patch" or not kind.startswith("prior")],
+)
+@settings(deadline=None, max_examples=12)
+@given(data=st.data())
+def test_pici_corruption_is_a_status_unchecked_and_an_error_checked(kind, mode, data):
+    """Every kind of damage: check=False returns its status bit (never raises), check=True raises
+    CorruptPayloadError naming it, and both leave the range as the CUDA kernels do."""
+    need_tiles = 2 if kind == "index decreases" else 1
+    lengths = st.integers(4096 * (need_tiles - 1) + 1, 3 * 4096 + 5)
+    if kind in ("bit past the end", "prior bit past the end"):
+        lengths = lengths.filter(lambda k: k % 4096)  # room past n in the last tile
+    x = data.draw(sparse_tensors(lengths=lengths, specials=False), label="x")
+    nonzeros = int((x != 0).sum())
+    assume(not (kind == "bit set, index kept" and nonzeros == x.numel()))
+    assume(not (kind in ("bit cleared, index kept", "values cut short") and nonzeros == 0))
+    # nnz + 1 > n: the kernels stop at BAD_NNZ before they look at tiles.
+    assume(not (kind == "bit past the end" and nonzeros == x.numel()))
+    raw, prior, bit, message = _corrupt_pici(kind, x, data)
+    if mode == "patch" and prior is None:
+        prior = _payload_bytes(F.pici_encode(_make_tensor(x.numel(), x.dtype, 0.3, seed=11, specials=0)))
+    dst_dtype = torch.float32 if mode == "accumulate" and data.draw(st.booleans(), label="fp32 dst") else x.dtype
+    status, got = _decode_both_ways(
+        "pici", raw, x.numel(), x.dtype, mode=mode, prior=prior, dst_dtype=dst_dtype, seed=data.draw(st.integers(0, 99))
+    )
+    assert status & bit, f"status {STATUS(status)!r} lacks {STATUS(bit)!r}"
+    assert re.search(message, got), got
+    assert f"n={x.numel()}" in got
+    assert f"status {status}" in got
+
+
+COO_CORRUPTIONS = [
+    "positions swapped",
+    "position repeated",
+    "position past the end",
+    "nnz above n",
+    "nnz above the payload",
+    "payload cut short",
+    "negative nnz",
+]
+
+
+def _corrupt_coo(kind: str, x: torch.Tensor, data) -> tuple[bytes, int, int, str]:
+    """A damaged COO payload of ``x`` with the nnz to decode it with, its status bit, a message regex."""
+    n = x.numel()
+    raw = bytearray(_payload_bytes(F.coo_encode(x)))
+    nnz = int((x != 0).sum())
+    if kind in ("positions swapped", "position repeated"):
+        i = data.draw(st.integers(1, nnz - 1), label="entry")
+        a, b = struct.unpack_from("<2I", raw, 4 * (i - 1))
+        struct.pack_into("<2I", raw, 4 * (i - 1), *((b, a) if kind == "positions swapped" else (a, a)))
+        return bytes(raw), nnz, STATUS.NOT_ASCENDING, "not strictly ascending"
+    if kind == "position past the end":
+        i = data.draw(st.integers(0, nnz - 1), label="entry")
+        position = data.draw(st.integers(n, 2**32 - 1), label="position")
+        struct.pack_into("<I", raw, 4 * i, position)
+        return bytes(raw), nnz, STATUS.PAST_END, f"{position}.* past the end n={n}|past the end n={n}.*{position}"
+    if kind == "nnz above n":
+        more = n + data.draw(st.integers(1, 10**6), label="by")
+        return bytes(raw), more, STATUS.BAD_NNZ, f"nnz={more} exceeds n={n}"
+    if kind == "nnz above the payload":
+        return bytes(raw), nnz + 1, STATUS.BAD_NNZ, f"shorter than the .* bytes nnz={nnz + 1} needs"
+    if kind == "payload cut short":
+        cut = data.draw(st.integers(1, len(raw)), label="cut")
+        return bytes(raw[:-cut]), nnz, STATUS.BAD_NNZ, f"COO payload of {len(raw) - cut} bytes is shorter"
+    assert kind == "negative nnz"
+    negative = -data.draw(st.integers(1, 2**40), label="nnz")
+    return bytes(raw), negative, STATUS.BAD_NNZ, f"nnz={negative} is negative"
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["overwrite", "accumulate"])
+@pytest.mark.parametrize("kind", COO_CORRUPTIONS)
+@settings(deadline=None, max_examples=12)
+@given(data=st.data())
+def test_coo_corruption_is_a_status_unchecked_and_an_error_checked(kind, accumulate, data):
+    x = data.draw(sparse_tensors(lengths=st.integers(1, 3000), specials=False), label="x")
+    nonzeros = int((x != 0).sum())
+    assume(nonzeros >= (2 if kind in ("positions swapped", "position repeated") else 1))
+    assume(not (kind == "nnz above the payload" and nonzeros == x.numel()))
+    raw, nnz, bit, message = _corrupt_coo(kind, x, data)
+    mode = "accumulate" if accumulate else "overwrite"
+    status, got = _decode_both_ways(
+        "coo", raw, x.numel(), x.dtype, nnz=nnz, mode=mode, seed=data.draw(st.integers(0, 99))
+    )
+    assert status & bit, f"status {STATUS(status)!r} lacks {STATUS(bit)!r}"
+    assert re.search(message, got), got
+    assert f"status {status}" in got
 
 
 @settings(deadline=None, max_examples=250)
 @given(x=sparse_tensors(lengths=st.integers(0, 2 * 4096 + 100)), data=st.data())
-def test_pici_random_corruption_never_escapes(x, data):
-    """Random byte damage: either a clean CorruptPayloadError with dst untouched, or a decode that
-    stays inside its range."""
+def test_pici_random_damage_matches_the_kernels(x, data):
+    """Random bytes overwritten, the payload cut or extended: whatever the result, check=False
+    gives the kernels' status without raising and check=True raises iff it is nonzero, and the
+    range holds what the kernels leave (untouched outside it)."""
     n = x.numel()
     raw = bytearray(_payload_bytes(F.pici_encode(x)))
     metadata = F.pici_layout(n).values_offset
     for _ in range(data.draw(st.integers(1, 4), label="flips")):
-        where = data.draw(st.integers(0, len(raw) - 1), label="byte")
-        raw[where] = data.draw(st.integers(0, 255), label="value")
+        where = data.draw(st.integers(0, len(raw) - 1) | st.integers(512 * (-(-n // 4096)), metadata - 1), label="byte")
+        raw[min(where, len(raw) - 1)] = data.draw(st.integers(0, 255), label="value")
     if data.draw(st.booleans(), label="truncate"):
-        raw = raw[: data.draw(st.integers(0, len(raw)), label="length")]
-    extend = data.draw(st.integers(0, 40), label="extend")
-    raw += bytes(extend)
-    note(f"metadata={metadata} length={len(raw)}")
-    pad = 11
-    dst = torch.full((n + 2 * pad,), 3.0, dtype=x.dtype)
-    before = _bits(dst).clone()
-    accumulate = data.draw(st.booleans(), label="accumulate")
-    try:
-        F.decompress_into("pici", _u8(raw), dst, offset=pad, n=n, accumulate=accumulate)
-    except CorruptPayloadError:
-        assert torch.equal(_bits(dst), before)
-    else:
-        assert torch.equal(_bits(dst)[:pad], before[:pad])
-        assert torch.equal(_bits(dst)[pad + n :], before[pad + n :])
-
-
-def _coo_example_values() -> bytes:
-    """The value bytes of a float32 COO payload with 5 nonzeros over n = 200."""
-    x = torch.zeros(200)
-    x[[0, 3, 64, 150, 199]] = torch.tensor([1.0, -2.0, 3.0, 4.0, -5.0])
-    values = _payload_bytes(F.coo_encode(x))[32:]  # 5 positions: 20 bytes, padded to 32
-    assert len(values) == 5 * 4
-    return values
-
-
-def _coo_build(positions: list[int], values: bytes) -> torch.Tensor:
-    raw = struct.pack(f"<{len(positions)}I", *positions)
-    return _u8(raw + bytes(-len(raw) % 16) + values)
-
-
-@pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize(
-    "positions", [[0, 3, 150, 64, 199], [3, 0, 64, 150, 199], [0, 3, 64, 64, 199], [0, 0, 0, 0, 0]]
-)
-def test_coo_positions_not_ascending(accumulate, positions):
-    values = _coo_example_values()
-    _decode_into_guarded(
-        "coo",
-        _coo_build(positions, values),
-        200,
-        torch.float32,
-        nnz=5,
-        accumulate=accumulate,
-        match="not strictly ascending",
-    )
-
-
-@pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("last", [200, 201, 4096, 0xFFFFFFFF])
-def test_coo_position_past_the_end(accumulate, last):
-    values = _coo_example_values()
-    bad = _coo_build([0, 3, 64, 150, last], values)
-    message = _decode_into_guarded(
-        "coo", bad, 200, torch.float32, nnz=5, accumulate=accumulate, match="past the end n=200"
-    )
-    assert str(last) in message
-
-
-@pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_coo_nnz_larger_than_payload(accumulate, dtype):
-    x = _make_tensor(300, dtype, 0.3, seed=5, specials=0)
-    payload = F.coo_encode(x)
-    nnz = int((x != 0).sum())
-    _decode_into_guarded("coo", payload, 300, dtype, nnz=nnz + 1, accumulate=accumulate, match="shorter than")
-    _decode_into_guarded("coo", payload[:-1].clone(), 300, dtype, nnz=nnz, accumulate=accumulate, match="shorter than")
-
-
-@pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("nnz", [201, 10**6, -1])
-def test_coo_nnz_outside_n(accumulate, nnz):
-    n = 200
-    big = _u8(bytes(F.coo_bytes(2 * n, 2 * n, torch.float32)))
-    _decode_into_guarded("coo", big, n, torch.float32, nnz=nnz, accumulate=accumulate, match=f"nnz={nnz}")
-
-
-def test_coo_nnz_as_device_tensor_is_checked_too():
-    values = _coo_example_values()
-    bad = _coo_build([0, 3, 64, 150, 250], values)
-    _decode_into_guarded("coo", bad, 200, torch.float32, nnz=torch.tensor([5]), match="past the end")
+        raw = raw[: data.draw(st.integers(metadata, len(raw)), label="length")]
+    raw += bytes(data.draw(st.integers(0, 40), label="extend"))
+    mode = data.draw(st.sampled_from(MODES), label="mode")
+    prior = None
+    if mode == "patch":
+        prior = _payload_bytes(
+            F.pici_encode(_make_tensor(n, x.dtype, 0.2, seed=data.draw(st.integers(0, 99)), specials=0))
+        )
+        if data.draw(st.booleans(), label="damage prior") and n % 4096:
+            prior = bytearray(prior)
+            prior[data.draw(st.integers(0, 512 * (-(-n // 4096)) - 1), label="prior byte")] = 0xFF
+            prior = bytes(prior)
+    status, message = _decode_both_ways("pici", bytes(raw), n, x.dtype, mode=mode, prior=prior, seed=n % 100)
+    if status:
+        assert "n=" in message and f"status {status}" in message
 
 
 @settings(deadline=None, max_examples=250)
 @given(x=sparse_tensors(lengths=st.integers(0, 3000)), data=st.data())
-def test_coo_random_corruption_never_escapes(x, data):
+def test_coo_random_damage_matches_the_kernels(x, data):
     n = x.numel()
     raw = bytearray(_payload_bytes(F.coo_encode(x)))
     true_nnz = int((x != 0).sum())
@@ -829,18 +978,229 @@ def test_coo_random_corruption_never_escapes(x, data):
             raw[data.draw(st.integers(0, len(raw) - 1), label="byte")] = data.draw(st.integers(0, 255), label="value")
     if data.draw(st.booleans(), label="truncate"):
         raw = raw[: data.draw(st.integers(0, len(raw)), label="length")]
-    pad = 5
-    dst = torch.full((n + 2 * pad,), -1.0, dtype=x.dtype)
-    before = _bits(dst).clone()
     accumulate = data.draw(st.booleans(), label="accumulate")
-    try:
-        F.decompress_into("coo", _u8(raw), dst, offset=pad, n=n, nnz=nnz, accumulate=accumulate)
-    except CorruptPayloadError:
-        assert torch.equal(_bits(dst), before)
+    status, message = _decode_both_ways(
+        "coo", bytes(raw), n, x.dtype, nnz=nnz, mode="accumulate" if accumulate else "overwrite", seed=n % 100
+    )
+    if status:
+        assert f"status {status}" in message
+
+
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("keep", [0, 1, 15, 512, 4 * 512 - 1])
+def test_pici_payload_shorter_than_its_metadata_is_a_size_error(dtype, keep, check):
+    """Too short for n's metadata: it does not fit n. Raised from sizes alone, whatever check
+    says, before anything is read or written."""
+    n = 3 * 4096 + 5  # metadata: 4 tiles of words + 20 bytes of I padded to 32 = 2080
+    payload = F.pici_encode(_make_tensor(n, dtype, 0.1, seed=1, specials=0))[:keep].clone()
+    dst = torch.full((n + 4,), 9.0, dtype=dtype)
+    most = F.layout.pici_max_tiles(keep)
+    with pytest.raises(CorruptPayloadError, match=f"Pici payload of {keep} bytes does not fit n={n}") as info:
+        F.decompress_into("pici", payload, dst, offset=2, n=n, check=check)
+    message = str(info.value)
+    assert "4 tiles, whose metadata alone is 2080 bytes" in message
+    assert "decode with the n it was encoded with" in message
+    if most < 0:
+        assert f"{keep} bytes are fewer than the 16 of any Pici payload" in message
     else:
-        assert 0 <= nnz <= n
-        assert torch.equal(_bits(dst)[:pad], before[:pad])
-        assert torch.equal(_bits(dst)[pad + n :], before[pad + n :])
+        assert f"at most {most} tile" in message and f"n <= {4096 * most}" in message
+    assert bool((dst == 9.0).all())
+    with pytest.raises(CorruptPayloadError, match=f"does not fit n={n}: n={n} takes 4 tiles"):
+        F.pici_decode(payload, n, dtype)
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_prior_shorter_than_its_bitvectors_is_a_size_error(check):
+    n = 4096 + 7
+    x = torch.ones(n)
+    dst = torch.zeros(n)
+    prior = F.pici_encode(x)[:1000].clone()
+    with pytest.raises(CorruptPayloadError, match="Pici prior of 1000 bytes does not fit n=4103") as info:
+        F.decompress_into("pici", F.pici_encode(x), dst, prior=prior, check=check)
+    assert "2 tiles, whose bitvectors alone are 1024 bytes" in str(info.value)
+    assert "at most 1 tile, so it was made for n <= 4096" in str(info.value)
+    assert bool((dst == 0).all())
+
+
+def test_hand_made_pici_status_bits():
+    """Fixed examples of each status bit, as test_kernels_cuda.py builds them for the kernels."""
+    n = 4096 + 70
+    x = torch.zeros(n)
+    x[[0, 1, 64, 69, 4096, 4096 + 69]] = torch.tensor([1.0, 2.0, 3.0, -4.0, 5.0, 6.0])
+    raw = _payload_bytes(F.pici_encode(x))
+    words, index, values_offset = _pici_parts(raw, n)
+    assert index == [0, 4, 6]
+    values = raw[values_offset:]
+    cases = {
+        # I = [0, 7, 6]: tile 1 decreases (BAD_INDEX); tile 0 claims 7 > nnz and 3 more than its bits.
+        "decreasing": ([0, 7, 6], words, values, STATUS.BAD_INDEX | STATUS.BAD_TILE_COUNT | STATUS.BAD_NNZ),
+        "starts at 1": ([1, 4, 6], words, values, STATUS.BAD_INDEX),
+        "one value short": ([0, 4, 7], words[:64] + [words[64] | 2] + words[65:], values, STATUS.BAD_NNZ),
+        "nnz 2**32-1": ([0, 4, 0xFFFFFFFF], words, values, STATUS.BAD_NNZ),
+    }
+    for name, (idx, w, v, expected) in cases.items():
+        status, message = _decode_both_ways("pici", _pici_join(w, idx, v), n, torch.float32)
+        assert status == expected, name
+        assert f"status {int(expected)}" in message, name
+    status, message = _decode_both_ways("pici", _pici_join(words, [0, 4, 7], values), n, torch.float32)
+    assert "claims nnz=7, but n=4166 and the payload holds at most 6 values" in message
+
+
+# ----------------------------------------------------------------------------- decoding with the wrong n
+
+
+def _range_in(message: str) -> tuple[int, int]:
+    found = re.search(r"made for n from (\d+) to (\d+)", message)
+    assert found, message
+    return int(found.group(1)), int(found.group(2))
+
+
+@settings(deadline=None, max_examples=200)
+@given(
+    x=sparse_tensors(lengths=st.integers(1, 4 * 4096 + 100), specials=False),
+    data=st.data(),
+)
+def test_pici_decode_with_the_wrong_n_says_it_does_not_fit(x, data):
+    """A wrong n either decodes x (cut or zero-extended: nothing past x's last nonzero is
+    lost) or is reported as a payload that does not fit n, naming that n and the range of n
+    the payload was made for, which holds the true n: never as a corrupt index."""
+    n = x.numel()
+    wrong = data.draw(
+        st.integers(0, 6 * 4096) | st.sampled_from([n - 1, n + 1, n + 4096, max(0, n - 4096), 4096 * -(-n // 4096)]),
+        label="wrong n",
+    )
+    assume(wrong != n)
+    payload = F.pici_encode(x)
+    try:
+        y = F.pici_decode(payload, wrong, x.dtype)
+    except CorruptPayloadError as error:
+        message = str(error)
+        assert f"does not fit n={wrong}" in message, message
+        assert "decode with the n it was encoded with" in message
+        lo, hi = _range_in(message)
+        assert lo <= n <= hi, message
+        assert not lo <= wrong <= hi, message
+        # decompress_into allows bytes after a payload, so it may take the payload as a good one
+        # with bytes to spare; when it does not, it names both n too (sizes bound n from above).
+        dst = torch.zeros(wrong, dtype=x.dtype)
+        try:
+            unchecked = F.decompress_into("pici", payload, dst, check=False)
+        except CorruptPayloadError as size_error:
+            assert f"does not fit n={wrong}" in str(size_error)
+            return
+        try:
+            assert F.decompress_into("pici", payload, dst) is None
+        except CorruptPayloadError as checked:
+            message = str(checked)
+            assert int(unchecked) != 0
+            assert f"does not fit n={wrong}" in message, message
+            low, high = _range_in(message)  # an exact payload: its own n is found
+            assert low <= n <= high, message
+        else:
+            assert int(unchecked) == 0
+    else:
+        expect = torch.zeros(wrong, dtype=x.dtype)
+        keep = min(n, wrong)
+        expect[:keep] = x[:keep]
+        assert int((x[keep:] != 0).sum()) == 0
+        _assert_bits_equal(y, _decoded_bits(expect))
+
+
+def test_pici_wrong_n_messages_by_hand():
+    x = torch.zeros(5 * 4096 + 7)
+    x[::37] = 1.5
+    x[-1] = 2.0  # the last nonzero at 20486; 555 of them
+    payload = F.pici_encode(x)
+    assert payload.numel() == 3104 + 4 * 555 == 5324
+    cases = {
+        # Fewer tiles: the index is read from the bitvectors. A good payload of 6 tiles.
+        4096: "Pici payload of 5324 bytes does not fit n=4096 (1 tile): it is a good payload of 6 tiles "
+        "(nnz=555), made for n from 20487 to 24576; decode with the n it was encoded with",
+        # Same tiles, fewer elements than the last mark.
+        20485: "Pici payload does not fit n=20485: it marks a nonzero past the end n=20485 (its last at "
+        "position 20486, nnz=555), so it was made for n from 20487 to 24576 (6 tiles); "
+        "decode with the n it was encoded with",
+        # More tiles than its length can hold the metadata of.
+        81920: "Pici payload of 5324 bytes does not fit n=81920: n=81920 takes 20 tiles, whose metadata "
+        "alone is 10336 bytes, but by its length it was made for n from 1199 to 40960 (1 to 10 tiles); "
+        "decode with the n it was encoded with",
+        # Longer than any payload of n elements.
+        100: "Pici payload of 5324 bytes does not fit n=100: a Pici payload of n=100 torch.float32 elements "
+        "(1 tile) has at most 928 bytes, but by its length it was made for n from 1199 to 40960 (1 to 10 tiles)",
+    }
+    for wrong, expected in cases.items():
+        with pytest.raises(CorruptPayloadError) as info:
+            F.pici_decode(payload, wrong, torch.float32)
+        assert expected in str(info.value), (wrong, str(info.value))
+    # Same tiles, more elements than encoded: nothing can tell, and nothing is lost.
+    _assert_bits_equal(F.pici_decode(payload, 6 * 4096, torch.float32)[: x.numel()], _bits(x))
+
+
+def test_pici_decode_wants_the_exact_payload():
+    """An empty first tile makes a 2-tile payload parse as a 1-tile one with bytes to spare;
+    pici_decode takes exact payloads, so their length and I[NT] name the tile count."""
+    x = torch.zeros(5075)
+    x[-1] = 3.0
+    payload = F.pici_encode(x)
+    dst = torch.full((129,), 7.0)
+    assert F.decompress_into("pici", payload, dst) is None  # bytes after a payload are allowed here
+    assert bool((dst == 0).all())
+    with pytest.raises(CorruptPayloadError) as info:
+        F.pici_decode(payload, 129, torch.float32)
+    assert "Pici payload of 1044 bytes does not fit n=129 (1 tile): it is a good payload of 2 tiles (nnz=1), " in str(
+        info.value
+    )
+    assert "made for n from 5075 to 8192" in str(info.value)
+    padded = torch.cat([payload, torch.zeros(4, dtype=torch.uint8)])
+    with pytest.raises(CorruptPayloadError, match="Pici payload of 1048 bytes does not end with its values: read as "):
+        F.pici_decode(padded, 5075, torch.float32)
+    _assert_bits_equal(F.pici_decode(payload, 5075, torch.float32), _bits(x))
+
+
+@settings(deadline=None, max_examples=150)
+@given(x=sparse_tensors(lengths=st.integers(1, 3000), specials=False), wrong=st.integers(0, 4000))
+def test_coo_decode_with_the_wrong_n_says_it_does_not_fit(x, wrong):
+    n = x.numel()
+    assume(wrong != n)
+    payload = F.coo_encode(x)
+    nonzero = torch.nonzero(x).view(-1)
+    try:
+        y = F.coo_decode(payload, wrong, x.dtype)
+    except CorruptPayloadError as error:
+        message = str(error)
+        assert f"does not fit n={wrong}" in message and "decode with the n it was encoded with" in message
+        nnz, last = nonzero.numel(), int(nonzero[-1])
+        if nnz > wrong:
+            assert (
+                f"nnz={nnz} nonzeros of {x.dtype}, more than n={wrong} elements, so it was made for n >= {nnz}"
+                in message
+            )
+        else:
+            assert f"past the end n={wrong} (its last at position {last}), so it was made for n > {last}" in message
+        assert n >= nnz and n > last
+    else:
+        assert not nonzero.numel() or int(nonzero[-1]) < wrong
+        expect = torch.zeros(wrong, dtype=x.dtype)
+        expect[: min(n, wrong)] = x[: min(n, wrong)]
+        _assert_bits_equal(y, _decoded_bits(expect))
+
+
+def test_coo_wrong_n_through_decompress_into():
+    x = torch.zeros(300)
+    x[[3, 50, 250]] = 1.0
+    payload = F.coo_encode(x)
+    dst = torch.zeros(200)
+    status = F.decompress_into("coo", payload, dst, nnz=3, check=False)
+    assert int(status) == STATUS.PAST_END
+    with pytest.raises(CorruptPayloadError) as info:
+        F.decompress_into("coo", payload, dst, nnz=3)
+    assert "COO payload does not fit n=200: it has a nonzero past the end n=200 (its last at position 250), " in str(
+        info.value
+    )
+    assert "so it was made for n > 250; decode with the n it was encoded with" in str(info.value)
+    with pytest.raises(CorruptPayloadError, match="COO nnz=3 exceeds n=2: the payload does not fit n=2"):
+        F.decompress_into("coo", payload, torch.zeros(2), nnz=3)
 
 
 # ----------------------------------------------------------------------------- output too small
@@ -1033,15 +1393,21 @@ def test_uses_reference_on_cpu():
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_reference_raises_at_once_even_unchecked(fmt):
+def test_unchecked_cpu_decode_returns_the_status_instead_of_raising(fmt):
     x = torch.ones(100)
     payload = ENCODE[fmt](x)
     dst = torch.empty(100)
     status = F.decompress_into(fmt, payload, dst, nnz=100, check=False)
     assert status.dtype == torch.int32 and status.tolist() == [0]
     assert torch.equal(dst, x)
-    with pytest.raises(CorruptPayloadError):
-        F.decompress_into(fmt, payload[:-4].clone(), dst, nnz=100, check=False)
+    # Four bytes short: the last value is missing, which the kernels report as BAD_NNZ.
+    status = F.decompress_into(fmt, payload[:-4].clone(), dst, nnz=100, check=False)
+    assert status.dtype == torch.int32 and status.shape == (1,) and status.device == dst.device
+    assert int(status) == F.DecodeStatus.BAD_NNZ
+    with pytest.raises(CorruptPayloadError, match=r"\(status 4: BAD_NNZ\)"):
+        F.decompress_into(fmt, payload[:-4].clone(), dst, nnz=100)
+    with pytest.raises(CorruptPayloadError, match=r"corrupt .* payload for n=100: .* \(status 4\); if it was"):
+        F.raise_for_status(status, fmt, n=100)
 
 
 def test_raise_for_status_names_every_reason():

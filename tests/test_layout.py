@@ -233,3 +233,69 @@ def test_coo_bytes_rejects_nnz_outside_range(nnz):
 def test_unknown_format_is_a_value_error():
     with pytest.raises(ValueError):
         F.payload_bytes("csr", 10, 1, torch.float32)
+
+
+# ----------------------------------------------------------------------------- what a Pici length implies
+
+
+def _spec_n_for_length(nbytes: int, size: int) -> list[int]:
+    """Every n with some nnz in [0, n] whose Pici payload is exactly ``nbytes`` long (by brute force)."""
+    return [
+        n
+        for n in range(4096 * (nbytes // 512 + 2))
+        if _spec_pici_bytes(n, 0, size) <= nbytes <= _spec_pici_bytes(n, n, size)
+        and (nbytes - _spec_pici_bytes(n, 0, size)) % size == 0
+    ]
+
+
+@settings(deadline=None, max_examples=60)
+@given(nbytes=st.integers(0, 4000) | st.integers(0, 60_000), dtype=st.sampled_from(DTYPES))
+def test_pici_n_range_is_every_n_of_that_length(nbytes, dtype):
+    every = _spec_n_for_length(nbytes, SIZES[dtype])
+    span = F.pici_n_range(nbytes, dtype)
+    if not every:
+        assert span is None
+    else:
+        assert every == list(range(every[0], every[-1] + 1))  # contiguous
+        assert span == (every[0], every[-1])
+
+
+@settings(deadline=None, max_examples=300)
+@given(n=st.integers(0, 2**32 - 1), data=st.data(), dtype=st.sampled_from(DTYPES))
+def test_pici_n_range_holds_the_n_a_payload_was_made_for(n, data, dtype):
+    nnz = data.draw(st.integers(0, n), label="nnz")
+    lo, hi = F.pici_n_range(F.pici_bytes(n, nnz, dtype), dtype)
+    assert lo <= n <= hi
+    # The ends are attained: some nnz makes a payload of that length for each.
+    nbytes = F.pici_bytes(n, nnz, dtype)
+    for end in (lo, hi):
+        rest = nbytes - F.pici_metadata_bytes(end)
+        assert rest % SIZES[dtype] == 0 and 0 <= rest // SIZES[dtype] <= end
+
+
+@pytest.mark.parametrize(
+    "nbytes, dtype, expected",
+    [
+        (0, torch.float32, None),
+        (15, torch.float32, None),
+        (16, torch.float32, (0, 0)),  # the empty payload
+        (17, torch.float16, None),  # odd: no 2-byte values fill it
+        (528, torch.float32, (1, 4096)),  # one tile, nnz = 0
+        (544, torch.float32, (4, 4096)),  # one tile, nnz = 4
+        # The two-tile bfloat16 example of FORMATS.md (nnz = 4), or one tile with nnz = 260.
+        (1048, torch.bfloat16, (260, 8192)),
+        (5324, torch.float32, (1199, 40960)),  # 1 to 10 tiles
+    ],
+)
+def test_pici_n_range_examples(nbytes, dtype, expected):
+    assert F.pici_n_range(nbytes, dtype) == expected
+
+
+@settings(deadline=None, max_examples=300)
+@given(nbytes=st.integers(0, 2**40))
+def test_pici_max_tiles_is_the_most_whose_metadata_fits(nbytes):
+    tiles = F.layout.pici_max_tiles(nbytes)
+    if nbytes < 16:
+        assert tiles == -1
+    else:
+        assert _spec_pici_bytes(4096 * tiles, 0, 4) <= nbytes < _spec_pici_bytes(4096 * (tiles + 1), 0, 4)

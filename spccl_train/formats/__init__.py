@@ -32,6 +32,7 @@ from .layout import (
     pici_bytes,
     pici_layout,
     pici_metadata_bytes,
+    pici_n_range,
 )
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "pici_encode",
     "pici_layout",
     "pici_metadata_bytes",
+    "pici_n_range",
     "raise_for_status",
     "uses_kernels",
 ]

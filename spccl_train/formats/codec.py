@@ -8,14 +8,12 @@ with the device. The simple forms (:func:`pici_encode`, :func:`pici_decode`, :fu
 
 from __future__ import annotations
 
-import enum
-
 import torch
 
 from .._ext import kernels_available
 from . import reference
-from .layout import Format, capacity_bytes, check_dtype, check_length, coo_nnz_from_bytes, payload_bytes, pici_layout
-from .reference import CorruptPayloadError, PayloadTooSmallError
+from .layout import Format, capacity_bytes, check_dtype, check_length, coo_nnz_from_bytes, payload_bytes
+from .reference import STATUS_TEXT, CorruptPayloadError, DecodeStatus, PayloadTooSmallError, check_pici_size
 
 __all__ = [
     "DecodeStatus",
@@ -32,42 +30,24 @@ __all__ = [
 ]
 
 
-class DecodeStatus(enum.IntFlag):
-    """Bits of the status a decoder reports (``csrc/spccl.h`` uses the same values)."""
-
-    OK = 0
-    BAD_INDEX = 1
-    """Pici: the index array does not start at 0 or decreases."""
-    BAD_TILE_COUNT = 2
-    """Pici: a tile's bitvector popcount disagrees with its index step."""
-    BAD_NNZ = 4
-    """nnz exceeds n or what the payload can hold."""
-    PAST_END = 8
-    """Nonzeros are marked at positions >= n."""
-    NOT_ASCENDING = 16
-    """COO: positions are not strictly ascending."""
-
-
-_STATUS_TEXT = {
-    DecodeStatus.BAD_INDEX: "the index array does not start at 0 or decreases",
-    DecodeStatus.BAD_TILE_COUNT: "a tile's bitvector popcount disagrees with its index step",
-    DecodeStatus.BAD_NNZ: "nnz exceeds n or what the payload can hold",
-    DecodeStatus.PAST_END: "nonzeros are marked past the end of the range",
-    DecodeStatus.NOT_ASCENDING: "COO positions are not strictly ascending",
-}
-
-
 def uses_kernels(t: torch.Tensor) -> bool:
     """True when operations on ``t`` run the CUDA kernels rather than the reference."""
     return t.is_cuda and kernels_available()
 
 
-def raise_for_status(status: torch.Tensor | int, fmt: Format | str) -> None:
-    """Raise :class:`CorruptPayloadError` for a nonzero kernel status (synchronises)."""
+def raise_for_status(status: torch.Tensor | int, fmt: Format | str, *, n: int | None = None) -> None:
+    """Raise :class:`CorruptPayloadError` for a nonzero decoder status (synchronises).
+
+    The message lists every bit set. ``n``, the number of elements the payload was decoded as,
+    goes into the message; a payload decoded with another ``n`` than it was encoded with gets
+    these statuses too (``PAST_END`` when ``n`` was too small, garbage otherwise).
+    """
     code = int(status.item()) if isinstance(status, torch.Tensor) else int(status)
     if code:
-        reasons = "; ".join(text for bit, text in _STATUS_TEXT.items() if code & bit)
-        raise CorruptPayloadError(f"corrupt {Format(fmt).value} payload: {reasons} (status {code})")
+        reasons = "; ".join(text for bit, text in STATUS_TEXT.items() if code & bit)
+        what = f"corrupt {Format(fmt).value} payload" + ("" if n is None else f" for n={n}")
+        hint = "" if n is None else f"; if it was encoded with another n than {n}, decode with that n"
+        raise CorruptPayloadError(f"{what}: {reasons} (status {code}){hint}")
 
 
 def _flat(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -172,9 +152,11 @@ def decompress_into(
 
     Args:
         fmt: ``"pici"`` or ``"coo"``.
-        payload: the uint8 payload on ``dst``'s device.
+        payload: the uint8 payload on ``dst``'s device. Bytes after the payload (a
+            ``capacity_bytes`` buffer it was compressed into) are ignored.
         dst: contiguous destination, viewed flat.
-        offset, n: the destination range (``n`` defaults to the rest of ``dst``).
+        offset, n: the destination range (``n`` defaults to the rest of ``dst``). ``n`` must
+            be the number of elements the payload was encoded from.
         nnz: COO only: the number of nonzeros (an int, or a one-element int64 tensor on the
             device, e.g. the one :func:`compress_into` returned).
         accumulate: ``dst += decoded`` instead of overwriting (zeros included).
@@ -185,15 +167,50 @@ def decompress_into(
             zeros where only ``prior`` marks), which at high sparsity moves far fewer bytes than
             writing the whole range; the result is that of an overwrite. The in-place all-reduce
             uses it: the range still holds this rank's contribution, which it encoded earlier.
-        check: raise :class:`CorruptPayloadError` on a corrupt payload. On CUDA this reads the
-            kernel's status (a synchronisation); with ``check=False`` the status tensor is
-            returned instead, for the caller to check later (:func:`raise_for_status`). A
-            corrupt payload never makes the kernels read or write out of bounds; the reference
-            raises at once even with ``check=False``.
+            Only its bitvectors are read (and checked for marks past ``n``).
+        check: what a bad payload gets. ``True``: :class:`CorruptPayloadError` naming the problem
+            (on CUDA reading the kernel's status is a synchronisation). ``False``: no exception
+            for anything read from the payload (or a COO ``nnz`` that contradicts it); the
+            returned status says what was wrong, for the caller to check later
+            (:func:`raise_for_status`). The CPU path (the torch reference) and the CUDA kernels
+            report the same :class:`DecodeStatus` bits.
 
     Returns:
         ``None`` when checked; otherwise a one-element int32 :class:`DecodeStatus` tensor on
-        ``dst``'s device (0 = good).
+        ``dst``'s device (0 = good), without a host synchronisation on CUDA.
+
+    Raises:
+        TypeError: a non-tensor, an unsupported dtype, a payload or prior that is not uint8, or
+            a type mix other than 16-bit values accumulated into float32.
+        ValueError: ``fmt`` not ``"pici"`` / ``"coo"``, a non-contiguous tensor, a range outside
+            ``dst``, ``n > MAX_ELEMENTS``, tensors on different devices, COO without ``nnz``,
+            ``prior`` outside a Pici overwrite.
+        CorruptPayloadError: whatever ``check`` says, a Pici payload shorter than the metadata of
+            ``n`` elements (or a ``prior`` shorter than their bitvectors): it does not fit ``n``,
+            and the message names ``n`` and the largest ``n`` its length can hold. A size error,
+            checked on the host before anything is read or written. (COO has none: its ``nnz``
+            may be on the device, so a payload too short for it is the status ``BAD_NNZ``.)
+            With ``check=True`` also every status below.
+
+    Statuses (``check=False``; with ``check=True`` the same problems raise
+    :class:`CorruptPayloadError`, whose message names ``n`` and, where the payload is a good one
+    for another ``n``, that ``n``): ``BAD_NNZ`` (nnz above ``n`` or more values than the
+    payload holds, a negative COO ``nnz``), ``BAD_INDEX`` / ``BAD_TILE_COUNT`` (Pici index
+    inconsistent with itself or the bitvectors), ``PAST_END`` (nonzeros at positions ``>= n``:
+    the payload does not fit ``n``), ``NOT_ASCENDING`` (COO positions). Decoding with a wrong
+    ``n`` gives these statuses too (``PAST_END`` when ``n`` is too small within the payload's
+    tile count; garbage index statuses for another tile count); with the wrong ``n`` in the
+    same tile count but larger, the decode succeeds with zeros past the true end.
+
+    What ``dst`` holds after a nonzero status (with ``check=True``: when the error is raised),
+    the same on both paths (the reference reproduces the kernels): nothing outside the range
+    is ever written, and nothing at all after a size error. Pici: when ``I[NT]`` (nnz) exceeds
+    ``n`` or the values present, nothing is written; otherwise each tile that passes its own
+    checks is decoded (overwritten, zeros included; accumulated; or patched) and every other
+    tile is left as it was. COO: an overwrite zeroes the whole range first, whatever the
+    payload; then nothing more when ``nnz`` is bad, else every entry is decoded except those
+    at positions ``>= n`` or not above the entry before (an element a bad payload names twice
+    gets either value: the CUDA threads race). So treat the range as garbage after a failure.
     """
     fmt = Format(fmt)
     if fmt is Format.DENSE:
@@ -218,24 +235,26 @@ def decompress_into(
             raise ValueError(f"prior is on {prior.device} but dst is on {dst.device}; put both on one device")
     if fmt is Format.COO and nnz is None:
         raise ValueError("COO payloads do not record nnz: pass nnz= (from compress_into or coo_nnz_from_bytes)")
+    if fmt is Format.PICI:
+        # Sizes first, on the host: a payload too short for n's metadata was made for a smaller n.
+        check_pici_size(payload.numel(), n, dtype)
+        if prior is not None:
+            check_pici_size(prior.numel(), n, dtype, what="prior", bits_only=True)
     if not uses_kernels(dst):
         if prior is not None:
-            reference.pici_decompress_patch(payload, prior, n, dst, offset)
+            status = reference.pici_decompress_patch(payload, prior, n, dst, offset, check=check)
         elif fmt is Format.PICI:
-            reference.pici_decompress(payload, n, dst, offset, accumulate=accumulate, dtype=dtype)
+            status = reference.pici_decompress(payload, n, dst, offset, accumulate=accumulate, dtype=dtype, check=check)
         else:
-            reference.coo_decompress(payload, int(nnz), n, dst, offset, accumulate=accumulate, dtype=dtype)
-        return None if check else torch.zeros(1, dtype=torch.int32, device=dst.device)
+            status = reference.coo_decompress(
+                payload, int(nnz), n, dst, offset, accumulate=accumulate, dtype=dtype, check=check
+            )
+        return None if check else torch.tensor([int(status)], dtype=torch.int32, device=dst.device)
     if payload.data_ptr() % 16:
         # The kernels read 8- and 16-byte words. Collectives keep payloads aligned; this copy
         # serves users decoding a payload sliced out of a larger buffer.
         payload = payload.clone()
     if fmt is Format.PICI:
-        if payload.numel() < pici_layout(n).metadata_bytes:
-            raise CorruptPayloadError(
-                f"Pici payload of {payload.numel()} bytes is shorter than its metadata "
-                f"({pici_layout(n).metadata_bytes} bytes for n={n})"
-            )
         if accumulate:
             status = torch.ops.spccl.pici_decompress_accumulate(payload, n, dtype, dst, offset)
         elif prior is not None:
@@ -244,6 +263,9 @@ def decompress_into(
             status = torch.ops.spccl.pici_decompress_patch(payload, n, prior, dst, offset)
         else:
             status = torch.ops.spccl.pici_decompress(payload, n, dst, offset)
+        if n == 0:
+            # No tile, no kernel: the one field is I[0] = nnz, which must be 0 (as the reference checks).
+            status = status | (payload[:4].view(torch.int32) != 0).to(torch.int32) * int(DecodeStatus.BAD_NNZ)
     else:
         if not isinstance(nnz, torch.Tensor):
             nnz = torch.full((1,), int(nnz), dtype=torch.int64, device=dst.device)
@@ -251,8 +273,20 @@ def decompress_into(
             status = torch.ops.spccl.coo_decompress_accumulate(payload, nnz, n, dtype, dst, offset)
         else:
             status = torch.ops.spccl.coo_decompress(payload, nnz, n, dst, offset)
+        if n == 0:
+            # No kernel runs for an empty range: nnz must be 0 (as the reference checks).
+            status = status | (nnz.view(1) != 0).to(torch.int32) * int(DecodeStatus.BAD_NNZ)
     if check:
-        raise_for_status(status, fmt)
+        code = int(status.item())
+        if code:
+            # The reference reads the payload on the device and explains the kernel's status.
+            if fmt is Format.PICI:
+                message = reference.pici_explain(payload, n, dtype, prior)
+            else:
+                message = reference.coo_explain(payload, int(nnz.item()), n, dtype)
+            if message is None:
+                raise_for_status(code, fmt, n=n)
+            raise CorruptPayloadError(message)
         return None
     return status
 
@@ -285,18 +319,43 @@ def coo_encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def pici_decode(payload: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """Decode a Pici payload of ``n`` elements of ``dtype`` into a new 1-D tensor on its device."""
+    """Decode a Pici payload (exactly as :func:`pici_encode` returned it) into a new 1-D tensor on its device.
+
+    ``n`` and ``dtype`` are those it was encoded with. Its length is checked against ``n``
+    first: a length no payload of ``n`` elements has raises :class:`CorruptPayloadError` saying
+    that it does not fit ``n`` and which ``n`` its length allows
+    (:func:`~spccl_train.formats.pici_n_range`). A corrupt payload raises
+    :class:`CorruptPayloadError` too, and so does one with bytes after its values; when the
+    payload is a good one for another ``n``, the message says that it does not fit ``n`` and
+    names the ``n`` it was made for. (:func:`decompress_into` accepts bytes after the payload.)
+    """
+    payload = _byte_buffer("payload", payload)
     check_length(n)
+    check_dtype(dtype)
+    check_pici_size(payload.numel(), n, dtype, exact=True)
     dst = torch.empty(n, dtype=dtype, device=payload.device)
     decompress_into(Format.PICI, payload, dst)
+    reference.check_pici_exact(payload, n, dtype)
     return dst
 
 
 def coo_decode(payload: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """Decode a COO payload (exactly as :func:`coo_encode` returned it) into a new 1-D tensor."""
+    """Decode a COO payload (exactly as :func:`coo_encode` returned it) into a new 1-D tensor.
+
+    The payload's length gives its nnz (``ValueError`` when no nnz gives that length). More
+    nonzeros than ``n``, or a position ``>= n``, means the payload does not fit ``n``:
+    :class:`CorruptPayloadError` naming ``n`` and the ``n`` the payload needs. Decode with the
+    ``n`` it was encoded with.
+    """
     payload = _byte_buffer("payload", payload)
     check_length(n)
     nnz = coo_nnz_from_bytes(payload.numel(), dtype)
+    if nnz > n:
+        raise CorruptPayloadError(
+            f"COO payload of {payload.numel()} bytes does not fit n={n}: its length means nnz={nnz} nonzeros "
+            f"of {dtype}, more than n={n} elements, so it was made for n >= {nnz}; "
+            "decode with the n it was encoded with"
+        )
     dst = torch.empty(n, dtype=dtype, device=payload.device)
     decompress_into(Format.COO, payload, dst, nnz=nnz)
     return dst

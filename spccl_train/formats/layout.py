@@ -27,6 +27,8 @@ __all__ = [
     "pici_bytes",
     "pici_layout",
     "pici_metadata_bytes",
+    "pici_max_tiles",
+    "pici_n_range",
     "coo_bytes",
     "coo_layout",
     "dense_bytes",
@@ -142,6 +144,52 @@ def pici_layout(n: int) -> PiciLayout:
 def pici_metadata_bytes(n: int) -> int:
     """Bytes of ``B`` and ``I`` for ``n`` elements: the Pici size at nnz = 0."""
     return pici_layout(n).metadata_bytes
+
+
+def _tiles_metadata_bytes(tiles: int) -> int:
+    return 8 * TILE_ROWS * tiles + align16(4 * (tiles + 1))
+
+
+def pici_max_tiles(nbytes: int) -> int:
+    """The most tiles whose Pici metadata (``B`` and ``I``) fits in ``nbytes`` bytes.
+
+    A buffer of ``nbytes`` bytes can hold a Pici payload of at most ``TILE * pici_max_tiles(nbytes)``
+    elements. -1 when ``nbytes`` is less than the 16 bytes of even an empty (n = 0) payload.
+    """
+    if nbytes < _tiles_metadata_bytes(0):
+        return -1
+    # 516 t + 4 <= metadata(t) <= 516 t + 19, so this undershoots by at most a tile or two.
+    tiles = max(0, (nbytes - 19) // (8 * TILE_ROWS + 4))
+    while _tiles_metadata_bytes(tiles + 1) <= nbytes:
+        tiles += 1
+    return tiles
+
+
+def pici_n_range(nbytes: int, dtype: torch.dtype) -> tuple[int, int] | None:
+    """The ``n`` a Pici payload of exactly ``nbytes`` bytes of ``dtype`` can encode: ``(lowest, highest)``.
+
+    A payload's length fixes its tile count to a narrow range (the metadata must fit, and the
+    values left over, ``nnz``, must not outnumber the elements), and so the ``n`` it was made
+    for: every ``n`` from ``lowest`` to ``highest`` inclusive has some nnz whose
+    ``pici_bytes(n, nnz, dtype)`` is ``nbytes``, and no other ``n`` has. ``None`` when no
+    payload is that long (a truncated or padded buffer, or another dtype's payload).
+    """
+    size = element_size(dtype)
+    most = min(pici_max_tiles(nbytes), num_tiles(MAX_ELEMENTS))
+    if most < 0 or (nbytes - _tiles_metadata_bytes(0)) % size:
+        return None  # the metadata is a multiple of 16 bytes, so the values take the rest
+    # The fewest tiles whose elements can number the values left over: nbytes <= metadata(t) + TILE t size.
+    tiles = max(0, (nbytes - 19) // (8 * TILE_ROWS + 4 + TILE * size))
+    while nbytes > _tiles_metadata_bytes(tiles) + TILE * size * tiles:
+        tiles += 1
+    if tiles > most:
+        return None
+    nnz = (nbytes - _tiles_metadata_bytes(tiles)) // size
+    # n needs `tiles` tiles and at least nnz elements; more tiles take any n they cover (their
+    # smaller nnz is below TILE * (t - 1) + 1: the range is contiguous).
+    lowest = max(nnz, TILE * (tiles - 1) + 1 if tiles else 0)
+    highest = min(TILE * most, MAX_ELEMENTS)
+    return (lowest, highest) if lowest <= highest else None
 
 
 def _check_nnz(n: int, nnz: int) -> None:
