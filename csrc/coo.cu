@@ -1,4 +1,4 @@
-// COO compress / decompress / decompress-accumulate (layout: shared/design/FORMATS.md).
+// COO compress / decompress / decompress-accumulate (layout: docs/FORMATS.md).
 //
 // Compression reads the input once with the same tile loop as Pici: per-tile counts, a
 // decoupled look-back for the tile's offset, indices written in place. The values' offset,

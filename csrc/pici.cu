@@ -1,4 +1,4 @@
-// Pici compress / decompress / decompress-accumulate (layout: shared/design/FORMATS.md).
+// Pici compress / decompress / decompress-accumulate (layout: docs/FORMATS.md).
 //
 // Compression reads the input exactly once: each block stages a 64x64 tile in shared memory,
 // builds the 64 column words, publishes the tile's count, compacts the tile's nonzeros into

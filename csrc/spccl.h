@@ -12,7 +12,7 @@ namespace spccl {
 enum class Elem : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 // Status bits a decoder reports (0 = the payload was valid). Kept in step with
-// spccl_train/formats/codec.py::_STATUS_BITS.
+// spccl_train/formats/reference.py::DecodeStatus.
 constexpr int kBadIndex = 1;      // I[0] != 0 or I decreases
 constexpr int kBadTileCount = 2;  // popcount of a tile's words != its index step
 constexpr int kBadNnz = 4;        // nnz > n, or the values do not fit in the payload

@@ -1,6 +1,6 @@
 """Sparse wire formats: Pici (bitvector + per-tile prefix sums) and COO, with their codecs.
 
-Byte layout: ``shared/design/FORMATS.md``. Sizes and offsets live in :mod:`.layout`, the
+Byte layout: ``docs/FORMATS.md``. Sizes and offsets live in :mod:`.layout`, the
 pure-torch oracle in :mod:`.reference`, and dispatch to the CUDA kernels in :mod:`.codec`.
 """
 

@@ -1,6 +1,6 @@
 """Byte layout of the Pici, COO and dense wire formats: every size and offset, in one place.
 
-The normative description is ``shared/design/FORMATS.md``; the reference codec, the CUDA
+The normative description is ``docs/FORMATS.md``; the reference codec, the CUDA
 kernels (``csrc/``) and the collectives all take their numbers from here.
 """
 

@@ -1,7 +1,7 @@
 """Pure-torch reference codecs for Pici and COO: the oracle for every kernel and collective.
 
 Vectorised torch code that runs on CPU and CUDA tensors alike and produces exactly the bytes of
-``shared/design/FORMATS.md``. It synchronises with the device freely (it needs nnz on the host
+``docs/FORMATS.md``. It synchronises with the device freely (it needs nnz on the host
 to size its slices), so it is the ground truth and the CPU path, not the fast path.
 
 Arguments are assumed to be checked by :mod:`spccl_train.formats.codec`. Payload *contents* are

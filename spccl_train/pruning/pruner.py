@@ -1,6 +1,6 @@
 """Sampled top-k gradient pruning with leaky error feedback: configuration and dispatch.
 
-CUDA tensors run the Triton kernels (:mod:`.sample`, :mod:`.prune_ef`); CPU tensors run the
+CUDA tensors run the Triton kernels (:mod:`.threshold`, :mod:`.prune_ef`); CPU tensors run the
 torch reference, or the Triton kernels in Triton's interpreter when ``TRITON_INTERPRET=1``
 (that is how the kernels are tested without a GPU).
 """
