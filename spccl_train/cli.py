@@ -3,10 +3,11 @@
 ::
 
     spccl-train [--config NAME_OR_PATH] [--use-spccl] [--engine ddp|megatron] [dotted.key=value ...]
-    spccl-train report RUN_DIR [RUN_DIR ...] [--out report.png]
+    spccl-train report RUN_DIR [RUN_DIR ...] [--out PNG]   (default: ./compare-<A>-vs-<B>.png)
     spccl-train configs
 
-With no ``--config`` it runs ``tiny_cpu``: a tiny GPT-2 on CPU with 2 gloo ranks and SpCCL on.
+With no ``--config`` it runs ``tiny_cpu``: a tiny GPT-2 on CPU with 2 gloo ranks, SpCCL on with
+the recommended recipe (BurstAdamW, leak-free error feedback, density warm-up).
 Under ``torchrun`` each process is one rank; otherwise ``dist.nproc_per_node`` ranks are spawned.
 """
 
@@ -42,17 +43,24 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def _report(argv: list[str]) -> int:
-    from .train.report import plot_runs, report_table
+    from .train.report import default_report_path, plot_runs, report_table
 
-    p = argparse.ArgumentParser(prog="spccl-train report", description="Compare finished runs.")
+    p = argparse.ArgumentParser(
+        prog="spccl-train report",
+        description="Compare finished runs: print a table and write a plot (iteration-time breakdown, loss curves).",
+    )
     p.add_argument("runs", nargs="+", type=pathlib.Path, help="run folders (holding summary.json)")
     p.add_argument(
-        "--out", type=pathlib.Path, default=None, help="PNG path (default: report.png in the first run folder)"
+        "--out",
+        type=pathlib.Path,
+        default=None,
+        help="PNG path (default: compare-<RUN>-vs-<RUN>.png in the current directory, named after the run "
+        "folders; a run's own report.png is never overwritten unless named here)",
     )
     args = p.parse_args(argv)
     try:
         print(report_table(args.runs))
-        png = plot_runs(args.runs, args.out or args.runs[0] / "report.png")
+        png = plot_runs(args.runs, args.out or default_report_path(args.runs))
     except FileNotFoundError as exc:
         print(f"spccl-train report: {exc}", file=sys.stderr)
         return 2
@@ -73,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, path in shipped_configs().items():
             print(f"{name:24s} {path}")
         return 0
-    args = _train_parser().parse_args(argv)
+    # Intermixed: flags may follow overrides (spccl-train output.dir=x --no-spccl output.name=y).
+    args = _train_parser().parse_intermixed_args(argv)
     if args.use_spccl and args.no_spccl:
         print("spccl-train: --use-spccl and --no-spccl contradict each other", file=sys.stderr)
         return 2
@@ -90,6 +99,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.distributed_optimizer and args.engine != "megatron":
         print("spccl-train: --distributed-optimizer needs --engine megatron", file=sys.stderr)
+        return 2
+    if args.engine == "megatron" and cfg.optim.name != "adamw":
+        # The default and the shipped SpCCL configs step with BurstAdamW, which the Megatron engine
+        # cannot (it steps with Megatron's Adam): say so here rather than from inside a rank.
+        print(
+            f"spccl-train: config error: optim.name={cfg.optim.name!r} (config {name}) applies to --engine ddp only; "
+            "the Megatron engine steps with Megatron's Adam: add optim.name=adamw",
+            file=sys.stderr,
+        )
         return 2
     try:
         if args.engine == "megatron":

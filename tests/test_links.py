@@ -191,3 +191,30 @@ def test_ranks_sharing_a_device_split_its_codec_throughput(pools, tmp_path):
     # three gloo ranks share the CPU: each is priced at a third of what the device did alone
     assert got[0][0] * 3 == pytest.approx(saved["pici"]["compress"], rel=1e-9)
     assert got[0][1] * 3 == pytest.approx(saved["coo"]["accumulate"], rel=1e-9)
+
+
+def _job_measure_links(rank, world, cache_dir):
+    os.environ["SPCCL_CACHE_DIR"] = cache_dir
+    links.forget_measured()
+    calls = []
+    real = links.probe_links
+    links.probe_links = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        config = CollectiveConfig(ranks_per_node=1)
+        measured = spccl_train.collectives.measure_links(config=config)
+        x = torch.zeros(world * 3000)
+        x[rank::31] = 1.0
+        spccl_train.all_reduce(x, config=config)  # reuses what measure_links probed
+        given = spccl_train.collectives.measure_links(config=CollectiveConfig(cost_model="default"))
+    finally:
+        links.probe_links = real
+    return len(calls), measured.links.inter is not None, measured.describe(), given.links, given.describe()
+
+
+def test_measure_links_is_what_the_collectives_use(pools, tmp_path):
+    got = pools(2).run(_job_measure_links, str(tmp_path))
+    assert all(g[:2] == got[0][:2] for g in got)
+    probes, has_inter, described, given_links, given_described = got[0]
+    assert probes == 1 and has_inter  # one node per rank: the probe saw an inter-node link
+    assert "GB/s" in described and "Pici encode" in described
+    assert given_links is None and "links not measured (default:cpu)" in given_described

@@ -356,7 +356,7 @@ def test_pretrain_says_that_the_hooks_overlap_modes_do_not_apply(monkeypatch):
     from spccl_train.train.config import load_config
 
     monkeypatch.delenv("RANK", raising=False)
-    cfg = load_config("tiny_cpu", ["spccl.enabled=true", "spccl.overlap=stream"])
+    cfg = load_config("tiny_cpu", ["optim.name=adamw", "spccl.enabled=true", "spccl.overlap=stream"])
     with pytest.warns(UserWarning, match="spccl.overlap='stream' applies to the DDP engine only"):
         with pytest.raises(KeyError, match="RANK"):  # stops where the process group would be made
             pretrain.run_worker(cfg, "tiny_cpu")

@@ -1,8 +1,10 @@
 """The training plugin on CPU: configs, offline data, the gloo DDP trainer, the report command."""
 
 import json
+import math
 import os
 import pathlib
+import random
 import socket
 
 import pytest
@@ -11,6 +13,18 @@ import torch
 from spccl_train import cli
 from spccl_train.train import config as C
 from spccl_train.train.data import DataError, TokenData, embedded_corpus, prepare_tokens
+from spccl_train.train import trainer as T
+from spccl_train.train.report import BREAKDOWN, default_report_path
+
+EMULATION_VARIABLES = (
+    "NCCL_HOSTID",
+    "SPCCL_RANKS_PER_NODE",
+    "SPCCL_EMULATED_NODES",
+    "NCCL_SOCKET_IFNAME",
+    "NCCL_IB_DISABLE",
+    "NCCL_NVLS_ENABLE",
+    "GLOO_SOCKET_IFNAME",
+)
 from spccl_train.train.trainer import launch, local_rendezvous
 
 pytest.importorskip("transformers")
@@ -34,6 +48,15 @@ def test_every_shipped_config_loads_and_opens_with_its_command():
 def test_default_is_tiny_cpu_with_spccl_on_two_gloo_ranks():
     cfg = C.load_config(None)
     assert (cfg.dist.nproc_per_node, cfg.dist.backend, cfg.train.device, cfg.spccl.enabled) == (2, "gloo", "cpu", True)
+    # the recommended recipe (README): BurstAdamW, leak-free error feedback, a density warm-up
+    assert (cfg.optim.name, cfg.spccl.decay) == ("burst_adamw", 1.0) and cfg.spccl.warmup_steps > 0
+
+
+def test_megatron_engine_says_the_default_optimizer_is_not_its_own(capsys):
+    assert cli.main(["--engine", "megatron"]) == 2
+    err = capsys.readouterr().err
+    assert "optim.name='burst_adamw' (config tiny_cpu) applies to --engine ddp only" in err
+    assert "add optim.name=adamw" in err
 
 
 @pytest.mark.parametrize(
@@ -183,6 +206,8 @@ def _tiny(tmp_path: pathlib.Path, name: str, *extra: str) -> C.ExperimentConfig:
             f"output.dir={tmp_path / 'runs'}",
             f"output.name={name}",
             "output.progress=false",
+            # Six iterations: no room for the default's density warm-up, prune to 1% at once.
+            "spccl.warmup_steps=0",
             *extra,
         ],
     )
@@ -211,6 +236,51 @@ def test_training_two_gloo_ranks_dense_and_spccl(tmp_path):
     out = tmp_path / "cmp.png"
     assert cli.main(["report", str(dense), str(pruned), "--out", str(out)]) == 0
     assert out.stat().st_size > 10_000
+    for run, summary in ((dense, s_dense), (pruned, s_pruned)):
+        _check_breakdown(run, summary)
+        assert summary["device_line"] == "2 ranks on 1 x cpu" and summary["devices"] == 1
+    # Pruning runs in line on CPU: its own row, and the hook's pruning time is all of it.
+    assert s_pruned["breakdown_ms"]["prune_inline"] == pytest.approx(s_pruned["prune_ms"])
+    assert s_dense["breakdown_ms"]["prune_inline"] == 0.0
+
+
+def test_emulated_nodes_put_each_rank_on_a_node_and_measure_the_links(tmp_path, monkeypatch, capfd):
+    # the emulation sets these in the process that calls it: restore them after the test
+    for name in (*EMULATION_VARIABLES, "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SPCCL_CACHE_DIR", str(tmp_path / "cache"))
+    run = launch(_tiny(tmp_path, "emulated", "dist.emulate_nodes=2", "output.plot=false"), "tiny_cpu")
+    summary = json.loads((run / "summary.json").read_text())
+    assert "inter-node" in summary["links"] and "intra-node" not in summary["links"], summary["links"]
+    assert f"links: {summary['links']}" in capfd.readouterr().out  # printed by rank 0
+    assert summary["breakdown_ms"] is not None
+    # a grouping that contradicts the emulation is refused before any rank starts training
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="dist.ranks_per_node=2 contradicts dist.emulate_nodes=2"):
+        T.apply_emulation(_tiny(tmp_path, "bad", "dist.emulate_nodes=2", "dist.ranks_per_node=2"))
+
+
+def _check_breakdown(run: pathlib.Path, summary: dict) -> None:
+    """The parts of every iteration add up to it, the marked phases (all but ``other``) cover it,
+    and the work each part names took time."""
+    lines = (run / "iterations.csv").read_text().splitlines()
+    head = lines[0].split(",")
+    for line in lines[1:]:
+        row = dict(zip(head, map(float, line.split(",")), strict=True))
+        parts = [row[f"{key}_s"] for key, _, _ in BREAKDOWN]
+        assert all(part >= 0 for part in parts), row
+        assert sum(parts) == pytest.approx(row["time_s"], rel=1e-6), row
+        # "other" only closes the sum: the timer reads and the (CPU: empty) final synchronisation
+        assert row["other_s"] < 0.02 * row["time_s"] + 1e-4, row
+    ms = summary["breakdown_ms"]
+    assert list(ms) == [key for key, _, _ in BREAKDOWN]
+    assert sum(ms.values()) == pytest.approx(summary["iteration_ms"], rel=1e-6)
+    assert min(ms["forward"], ms["backward"], ms["optimizer"], ms["comm_wait"]) > 0, ms
+    text = T.format_summary(summary, run)
+    for _, label, meaning in BREAKDOWN:
+        assert label in text and meaning in text
 
 
 def test_world_size_one_runs_in_process(tmp_path, monkeypatch):
@@ -255,11 +325,123 @@ def test_density_warm_up_reaches_the_hook(tmp_path, monkeypatch):
 
 
 def test_shipped_spccl_configs_finish_the_warm_up_before_the_timed_iterations():
-    for name in ("gpt2_xl_spccl", "starcoder2_spccl"):
+    for name in ("tiny_cpu", "gpt2_xl_spccl", "starcoder2_spccl"):
         cfg = C.load_config(name)
         s, t = cfg.spccl, cfg.train
         assert s.warmup_steps > 0
         assert s.dense_iterations + s.warmup_steps <= t.warmup_iterations, name
+
+
+# --------------------------------------------------------------------------- breakdown, devices, reports
+
+
+def test_phase_breakdown_recovers_the_parts_of_a_random_iteration():
+    """Build an iteration's timeline from known parts (random: buckets, compute between their
+    hooks, pruning and transfers inside them, a final wait) and split it back."""
+    rng = random.Random()
+    for _ in range(200):
+        seed = rng.randrange(2**32)
+        r = random.Random(seed)
+        data, forward, optimizer, other, wait = (r.uniform(0, 0.05) for _ in range(5))
+        buckets = r.randint(0, 6)
+        compute = [r.uniform(0, 0.05) for _ in range(buckets)]
+        prune = [r.uniform(0, 0.01) * r.randint(0, 1) for _ in range(buckets)]
+        comm = [r.uniform(0, 0.02) for _ in range(buckets)]
+        now = data + forward
+        spans = []
+        for c, p, m in zip(compute, prune, comm, strict=True):
+            now += c  # compute until the bucket is ready, then the hook runs
+            spans.append((now, now + p + m))
+            now += p + m
+        if not buckets:
+            compute, wait = [r.uniform(0, 0.05)], 0.0  # no hook: the backward pass is compute
+            now += compute[0]
+        backward_end = now + wait
+        step_end = backward_end + optimizer
+        wall = step_end + other
+        parts = T.phase_breakdown(data, data + forward, backward_end, step_end, wall, spans, sum(prune))
+        want = {
+            "data": data,
+            "forward": forward,
+            "backward": sum(compute),
+            "comm_wait": sum(comm) + wait,
+            "prune_inline": sum(prune),
+            "optimizer": optimizer,
+            "other": other,
+        }
+        assert list(parts) == [key for key, _, _ in BREAKDOWN]
+        assert parts == pytest.approx(want, abs=1e-9), f"seed {seed}"
+        assert math.fsum(parts.values()) == pytest.approx(wall, abs=1e-9), f"seed {seed}"
+    # Pruning that ran off the training stream or thread is no part of the wait: 0 in line.
+    parts = T.phase_breakdown(0.0, 1.0, 4.0, 5.0, 5.0, [(2.0, 2.5)], 0.0)
+    assert (parts["prune_inline"], parts["comm_wait"], parts["backward"]) == (0.0, 2.0, 1.0)
+
+
+def test_device_line_counts_distinct_devices_not_ranks():
+    rng = random.Random()
+    hosts = [f"node{i}" for i in range(rng.randint(1, 3))]
+    gpus = rng.randint(1, 4)
+    per_gpu = rng.randint(1, 3)
+    # the same GPU index on every host, several ranks per GPU: devices are (host, UUID) pairs
+    ranks = [(h, f"GPU-{h}-{g}", "NVIDIA H200") for h in hosts for g in range(gpus) for _ in range(per_gpu)]
+    rng.shuffle(ranks)
+    n, devices = len(ranks), len(hosts) * gpus
+    want = f"{n} x NVIDIA H200" if per_gpu == 1 else f"{n} ranks on {devices} x NVIDIA H200"
+    assert T.describe_devices(ranks) == want, ranks
+    assert T.describe_devices([("h", "GPU-a", "NVIDIA H200")] * 2) == "2 ranks on 1 x NVIDIA H200"
+    assert T.describe_devices([("h", "GPU-a", "NVIDIA H200"), ("h", "GPU-b", "NVIDIA H200")]) == "2 x NVIDIA H200"
+    mixed = [("h", "GPU-a", "NVIDIA H200"), ("h", "GPU-b", "NVIDIA H100"), ("h", "GPU-b", "NVIDIA H100")]
+    assert T.describe_devices(mixed) == "1 x NVIDIA H200 + 2 ranks on 1 x NVIDIA H100"
+    host, ident, name = T.device_identity(torch.device("cpu"))
+    assert (host, ident, name) == (socket.gethostname(), "cpu", "cpu")
+    assert T.describe_devices([T.device_identity(torch.device("cpu"))] * 2) == "2 ranks on 1 x cpu"
+
+
+def _fake_run(root: pathlib.Path, name: str, mode: str, broken_down: bool = True) -> pathlib.Path:
+    """A finished run folder (summary.json, iterations.csv, its own report.png) from random records."""
+    rng = random.Random()
+    records = []
+    for i in range(6):
+        parts = {f"{key}_s": rng.uniform(0.001, 0.02) if broken_down else math.nan for key, _, _ in BREAKDOWN}
+        time_s = sum(parts.values()) if broken_down else rng.uniform(0.01, 0.1)
+        records.append(
+            T.IterationRecord(
+                iteration=i, time_s=time_s, allreduce_s=0.01, prune_s=0.0, loss=8.0 - i * rng.random(),
+                lr=1e-3, density=1.0, bytes_sent=100, dense_bytes=100, **parts,
+            )
+        )
+    info = {"config_name": "tiny_cpu", "mode": mode, "world_size": 2, "device": "cpu", "tokens_per_iteration": 64}
+    run = root / name
+    run.mkdir(parents=True)
+    T._write_run(run, records, T.summarize(records, 2, info))
+    (run / "report.png").write_bytes(os.urandom(64))
+    return run
+
+
+def test_report_writes_its_own_file_and_leaves_the_runs_alone(tmp_path, monkeypatch, capsys):
+    dense = _fake_run(tmp_path / "runs", "tiny_cpu-dense-1", "dense")
+    sparse = _fake_run(tmp_path / "runs", "tiny_cpu-spccl-1", "spccl", broken_down=False)  # e.g. Megatron's
+    own = {run: (run / "report.png").read_bytes() for run in (dense, sparse)}
+    cwd = tmp_path / "here"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    assert cli.main(["report", str(dense), str(sparse)]) == 0
+    out = cwd / "compare-tiny_cpu-dense-1-vs-tiny_cpu-spccl-1.png"
+    assert f"plot: {out.relative_to(cwd)}" in capsys.readouterr().out
+    assert out.stat().st_size > 10_000
+    assert {run: (run / "report.png").read_bytes() for run in own} == own  # untouched
+    assert sorted(p.name for p in dense.iterdir()) == ["iterations.csv", "report.png", "summary.json"]
+    # runs of one name from two parents, and many runs, still get names of their own
+    other = _fake_run(tmp_path / "elsewhere", "tiny_cpu-dense-1", "dense")
+    assert default_report_path([dense, other]).name == "compare-runs_tiny_cpu-dense-1-vs-elsewhere_tiny_cpu-dense-1.png"
+    many = default_report_path([dense, sparse, dense, sparse, dense], where=tmp_path)
+    assert many.parent == tmp_path and many.name.endswith("-and-2-more.png")
+
+
+def test_report_help_names_the_default_path(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["report", "--help"])
+    assert "compare-<RUN>-vs-<RUN>.png in the current directory" in " ".join(capsys.readouterr().out.split())
 
 
 def test_report_rejects_a_folder_that_is_not_a_run(tmp_path, capsys):

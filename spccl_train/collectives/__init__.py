@@ -17,6 +17,7 @@ from .api import (
     all_gather_single,
     all_reduce,
     last_stats,
+    measure_links,
     reduce_scatter_single,
     reduce_scatter_tensor,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "CollectiveWork",
     "CollectiveStats",
     "last_stats",
+    "measure_links",
     "clear_graphs",
     "clearing_graphs",
     "cached_graphs",

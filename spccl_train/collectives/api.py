@@ -45,7 +45,7 @@ from .exchange import (
     exchange_reduced_counts,
 )
 from .graphs import graph_key, remember_bounds, remembered_bounds, run_graphed
-from .links import measured_model
+from .links import Measured, measured_model
 from .plan import Plan, bound_reduced_counts, plan_all_gather
 from .topology import Topology
 
@@ -58,6 +58,7 @@ __all__ = [
     "CollectiveWork",
     "CollectiveStats",
     "last_stats",
+    "measure_links",
 ]
 
 _log = logging.getLogger(__name__)
@@ -409,6 +410,31 @@ def _model(
 
 
 _default_models: dict[str, CostModel] = {}
+
+
+def measure_links(
+    group: dist.ProcessGroup | None = None,
+    config: CollectiveConfig | None = None,
+    device: torch.device | None = None,
+) -> Measured:
+    """The cost model the collectives of ``group`` use under ``config`` (default: measured), and
+    the probe's figures: link bandwidth and latency per hop kind, the exchange latency, the codecs.
+
+    Collective: every rank of the group calls it (the first call per group probes; the
+    collectives reuse what it measured). ``device`` is the device the collectives will run on
+    (default: the current CUDA device under NCCL, else the CPU). For a model that is not
+    measured (``config.cost_model`` a :class:`CostModel` or ``"default"``), no probe runs and
+    the result names that model with no link figures.
+    """
+    config = config or CollectiveConfig()
+    transport = _transport(group)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if transport.backend == "nccl" else torch.device("cpu")
+    topology = Topology(transport.world, _ranks_per_node(config, transport))
+    if config.cost_model == "measured" and transport.world > 1:
+        return measured_model(transport, topology, transport.exchange_device(device))
+    model, tag = _model(config, transport, topology, device)
+    return Measured(model=model, tag=tag, links=None)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

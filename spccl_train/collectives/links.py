@@ -290,12 +290,14 @@ class Measured:
     model: CostModel
     tag: str
     """Names the model in memoised decisions (changes when the model does)."""
-    links: LinkProbe
+    links: LinkProbe | None
+    """The probe's figures; ``None`` for a model that was given, not measured."""
 
     def describe(self) -> str:
         pici, coo = self.model.pici, self.model.coo
+        where = self.links.describe() if self.links is not None else f"links not measured ({self.tag})"
         return (
-            f"{self.links.describe()}; Pici encode / decode / accumulate {pici.compress / 1e9:.1f} / "
+            f"{where}; Pici encode / decode / accumulate {pici.compress / 1e9:.1f} / "
             f"{pici.decompress / 1e9:.1f} / {pici.accumulate / 1e9:.1f} GB/s, COO {coo.compress / 1e9:.1f} / "
             f"{coo.decompress / 1e9:.1f} / {coo.accumulate / 1e9:.1f} GB/s"
         )

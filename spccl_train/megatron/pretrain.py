@@ -71,6 +71,7 @@ from ..train.data import prepare_tokens
 from ..train.trainer import (
     RunLog,
     _device,
+    apply_emulation,
     _lr_at,
     _sync,
     collective_config,
@@ -147,6 +148,7 @@ def run_worker(cfg: ExperimentConfig, config_name: str, *, distributed_optimizer
             stacklevel=2,
         )
     owns_group = not dist.is_initialized()
+    cfg = apply_emulation(cfg)
     if owns_group:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     else:

@@ -161,6 +161,10 @@ class DistConfig:
     """Ranks to start when ``spccl-train`` is run without torchrun (with torchrun, its own count wins)."""
     ranks_per_node: int = dataclasses.field(default=0, metadata=_at_least(0))
     """Ranks per node for SpCCL's link-aware thresholds (0: torchrun's ``LOCAL_WORLD_SIZE``)."""
+    emulate_nodes: int = dataclasses.field(default=0, metadata=_at_least(0))
+    """Split this host's ranks into this many emulated nodes joined by NCCL's socket transport
+    (:mod:`spccl_train.emulation`; 0 or 1: off). Works with several ranks per GPU; sets
+    ``ranks_per_node`` to match. At start rank 0 prints the inter-node bandwidth it measured."""
 
 
 @dataclasses.dataclass

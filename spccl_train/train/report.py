@@ -6,7 +6,32 @@ import csv
 import json
 import pathlib
 
-__all__ = ["load_run", "plot_runs", "report_table"]
+__all__ = ["BREAKDOWN", "BREAKDOWN_COLORS", "default_report_path", "load_run", "plot_runs", "report_table"]
+
+BREAKDOWN: tuple[tuple[str, str, str], ...] = (
+    ("data", "data", "batch sampled and copied to the device"),
+    ("forward", "forward", "forward pass and loss"),
+    ("backward", "backward", "backward compute: the backward pass less the waits below"),
+    ("comm_wait", "communication", "gradient reduction the step waited for: in the comm hook, and at the end of backward"),
+    ("prune_inline", "pruning", "top-k pruning with error feedback, in line with the backward pass"),
+    ("optimizer", "optimizer", "gradient clipping, optimizer step, zero_grad"),
+    ("other", "other", "rest of the wall time: end-of-iteration synchronisation, timer reads"),
+)
+"""The parts an iteration's wall time is split into, in order: ``(key, label, meaning)``. Each
+part is a span of one timeline (the host clock on CPU, CUDA events on the training stream on
+GPUs), so they add up to the iteration; ``iterations.csv`` holds ``<key>_s`` per iteration and
+``summary.json`` their means as ``breakdown_ms``."""
+
+BREAKDOWN_COLORS = {
+    "data": "#8c8c8c",
+    "forward": "#4c72b0",
+    "backward": "#64b5cd",
+    "comm_wait": "#dd8452",
+    "prune_inline": "#55a868",
+    "optimizer": "#8172b3",
+    "other": "#cccccc",
+}
+"""Bar colour of each part of :data:`BREAKDOWN` in the plot."""
 
 
 def load_run(run_dir: str | pathlib.Path) -> tuple[dict, list[dict]]:
@@ -24,19 +49,40 @@ def load_run(run_dir: str | pathlib.Path) -> tuple[dict, list[dict]]:
     return summary, rows
 
 
+def default_report_path(run_dirs: list[str | pathlib.Path], where: str | pathlib.Path = ".") -> pathlib.Path:
+    """``compare-<A>-vs-<B>[...].png`` in ``where`` (the current directory): a name of its own,
+    so that a comparison never overwrites a run's own ``report.png``.
+
+    Named after the run folders; folders of one name (from different parents) are told apart by
+    their parent's name, and past three runs the rest are counted (``-and-2-more``).
+    """
+    dirs = [pathlib.Path(d).resolve() for d in run_dirs]
+    names = [d.name for d in dirs]
+    if len(set(names)) < len(names):
+        names = [f"{d.parent.name}_{d.name}" for d in dirs]
+    shown = "-vs-".join(names[:3]) + (f"-and-{len(names) - 3}-more" if len(names) > 3 else "")
+    return pathlib.Path(where) / f"compare-{shown}.png"
+
+
 def _label(summary: dict, run_dir: pathlib.Path) -> str:
     return f"{summary['mode']} ({run_dir.name})"
+
+
+def _devices(summary: dict) -> str:
+    # Runs written before the device line existed: "world x device".
+    return summary.get("device_line") or f"{summary['world_size']} x {summary['device']}"
 
 
 def report_table(run_dirs: list[pathlib.Path]) -> str:
     """One line per run; speed-up against the dense run of the same config listed last before it.
 
     List each dense run before the SpCCL runs it should be compared with (runs measured in one
-    session, on one machine, compare fairly).
+    session, on one machine, compare fairly). ``comm ms`` is the communication the step waited
+    for (``breakdown_ms``), ``-`` for runs without a breakdown (the Megatron engine, older runs).
     """
     runs = [(pathlib.Path(d), load_run(d)[0]) for d in run_dirs]
     head = (
-        f"{'run':44s} {'mode':6s} {'iter ms':>9s} {'allred ms':>9s} {'prune ms':>9s} "
+        f"{'run':44s} {'mode':6s} {'iter ms':>9s} {'comm ms':>9s} {'prune ms':>9s} "
         f"{'speedup':>8s} {'loss':>7s} {'density':>8s} {'bytes':>7s}"
     )
     lines = [head, "-" * len(head)]
@@ -47,48 +93,55 @@ def report_table(run_dirs: list[pathlib.Path]) -> str:
             dense[key] = s
         base = dense.get(key)
         speedup = f"{base['iteration_ms'] / s['iteration_ms']:.3f}x" if base else "-"
+        breakdown = s.get("breakdown_ms")
+        comm = f"{breakdown['comm_wait']:9.1f}" if breakdown else f"{'-':>9s}"
         lines.append(
-            f"{d.name[:44]:44s} {s['mode']:6s} {s['iteration_ms']:9.1f} {s['allreduce_ms']:9.1f} {s['prune_ms']:9.2f} "
+            f"{d.name[:44]:44s} {s['mode']:6s} {s['iteration_ms']:9.1f} {comm} {s['prune_ms']:9.2f} "
             f"{speedup:>8s} {s['final_loss']:7.3f} {s['density']:8.4f} {100 * s['bytes_ratio']:6.1f}%"
         )
     return "\n".join(lines)
 
 
 def plot_runs(run_dirs: list[str | pathlib.Path], out: str | pathlib.Path) -> pathlib.Path:
-    """Write a PNG: mean iteration time split into all-reduce, pruning and the rest, and loss curves.
+    """Write a PNG: each run's mean iteration time as a stack of its parts, and loss curves.
 
-    All-reduce time is measured from issue to completion and overlaps the backward pass, so the
-    bar shows it beside (not inside) the iteration time, as the paper's DDP figures do.
+    The parts (``breakdown_ms``) add up to the iteration, communication counted as the time the
+    step waited for it. A run without a breakdown (the Megatron engine, runs written before it
+    existed) is one bar, "not broken down".
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+
     runs = [(pathlib.Path(d), *load_run(d)) for d in run_dirs]
     fig, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
     labels = [_label(s, d) for d, s, _ in runs]
-    x = range(len(runs))
-    iteration = [s["iteration_ms"] for _, s, _ in runs]
-    allreduce = [s["allreduce_ms"] for _, s, _ in runs]
-    prune = [s["prune_ms"] for _, s, _ in runs]
-    width = 0.38
-    bars.bar([i - width / 2 for i in x], iteration, width, label="iteration", color="#4c72b0")
-    bars.bar([i + width / 2 for i in x], allreduce, width, label="all-reduce", color="#dd8452")
-    bars.bar([i + width / 2 for i in x], prune, width, bottom=allreduce, label="pruning", color="#55a868")
-    for i, value in zip(x, iteration, strict=True):
-        bars.annotate(f"{value:.0f}", (i - width / 2, value), ha="center", va="bottom", fontsize=8)
-    bars.set_xticks(list(x), labels, rotation=15, ha="right", fontsize=8)
+    x = list(range(len(runs)))
+    width = 0.5
+    bottom = [0.0] * len(runs)
+    for key, label, _ in BREAKDOWN:
+        heights = [(s.get("breakdown_ms") or {}).get(key, 0.0) for _, s, _ in runs]
+        if any(heights):
+            bars.bar(x, heights, width, bottom=bottom, label=label, color=BREAKDOWN_COLORS.get(key))
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    rest = [s["iteration_ms"] if not s.get("breakdown_ms") else 0.0 for _, s, _ in runs]
+    if any(rest):
+        bars.bar(x, rest, width, bottom=bottom, label="not broken down", color="#e0e0e0", hatch="//")
+    for i, (_, s, _) in zip(x, runs, strict=True):
+        bars.annotate(f"{s['iteration_ms']:.0f}", (i, s["iteration_ms"]), ha="center", va="bottom", fontsize=8)
+    bars.set_xticks(x, labels, rotation=15, ha="right", fontsize=8)
     bars.set_ylabel("ms per iteration (mean after warm-up)")
-    bars.set_title("Iteration time breakdown")
-    bars.legend(fontsize=8)
+    bars.set_title("Iteration time: parts add up to it (communication: time waited)")
+    bars.legend(fontsize=7, loc="lower right")
     for (_, _, rows), label in zip(runs, labels, strict=True):
         curves.plot([r["iteration"] for r in rows], [r["loss"] for r in rows], label=label, linewidth=1)
     curves.set_xlabel("iteration")
     curves.set_ylabel("training loss")
     curves.set_title("Loss")
     curves.legend(fontsize=8)
-    fig.suptitle(", ".join(sorted({f"{s['config_name']} on {s['world_size']} x {s['device']}" for _, s, _ in runs})))
+    fig.suptitle(", ".join(sorted({f"{s['config_name']} on {_devices(s)}" for _, s, _ in runs})))
     fig.tight_layout()
     out = pathlib.Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,12 @@
 """The DDP trainer behind ``spccl-train``: one process per rank, dense or SpCCL gradient reduction.
 
-Per iteration it records wall time (the device synchronised at the end of each iteration),
-time in gradient all-reduce and in pruning (device timers of the DDP hook), the loss averaged
-over ranks, achieved density and bytes sent. Runs are written to ``<output.dir>/<name>/``:
-``config.yaml``, ``iterations.csv``, ``summary.json`` and ``report.png``.
+Per iteration it records wall time (the device synchronised at the end of each iteration) and
+splits it into the parts of :data:`BREAKDOWN`, which add up to it: data, forward, backward
+compute, the communication the step waited for, pruning in line with the backward pass, the
+optimizer, and the rest. It also records the DDP hook's own totals (all-reduce time from issue
+to completion summed over buckets, pruning time), the loss averaged over ranks, achieved density
+and bytes sent. Runs are written to ``<output.dir>/<name>/``: ``config.yaml``,
+``iterations.csv``, ``summary.json`` and ``report.png``.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import contextlib
 import csv
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
 import pathlib
+import socket
 import statistics
 import sys
 import time
@@ -26,22 +31,35 @@ import yaml
 
 from .. import ddp as spccl_ddp
 from .._provenance import git_commit
-from ..collectives import CollectiveConfig, clearing_graphs
+from ..collectives import CollectiveConfig, clearing_graphs, measure_links
+from ..emulation import emulate_nodes
 from ..optim import BurstAdamW
 from .config import ExperimentConfig, from_dict, to_dict
 from .data import prepare_tokens
 from .model import build_model, count_parameters
+from .report import BREAKDOWN
 
 __all__ = [
+    "BREAKDOWN",
     "IterationRecord",
+    "RunLog",
+    "apply_emulation",
+    "TimedHook",
+    "Timeline",
+    "describe_devices",
+    "device_identity",
     "finish_run",
+    "format_summary",
     "launch",
     "local_rendezvous",
     "make_optimizer",
     "one_rank_environment",
+    "phase_breakdown",
     "run_worker",
     "summarize",
+    "timed_hook",
 ]
+
 
 
 @dataclasses.dataclass
@@ -61,6 +79,112 @@ class IterationRecord:
     """Elements pruning kept but the capacity bound deferred to a later iteration (``spccl.capacity_factor``)."""
     exchanges: int = 0
     """Planning exchanges (host synchronisations) of the iteration's sparse all-reduces."""
+    data_s: float = math.nan
+    """:data:`BREAKDOWN` ``data`` (NaN: the loop did not split its iterations, as the Megatron engine's)."""
+    forward_s: float = math.nan
+    """:data:`BREAKDOWN` ``forward``."""
+    backward_s: float = math.nan
+    """:data:`BREAKDOWN` ``backward``."""
+    comm_wait_s: float = math.nan
+    """:data:`BREAKDOWN` ``comm_wait``."""
+    prune_inline_s: float = math.nan
+    """:data:`BREAKDOWN` ``prune_inline``."""
+    optimizer_s: float = math.nan
+    """:data:`BREAKDOWN` ``optimizer``."""
+    other_s: float = math.nan
+    """:data:`BREAKDOWN` ``other``."""
+
+
+class Timeline:
+    """Marks on one timeline: the host clock on CPU, CUDA events on the current stream on GPUs.
+
+    On a GPU the host runs ahead of the device, so host times would say when work was launched,
+    not when it ran; an event recorded on the stream the step runs on says when the device got
+    there. Recording costs no synchronisation; read :meth:`seconds` after the iteration's own
+    end-of-iteration synchronisation.
+    """
+
+    __slots__ = ("_cuda",)
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+
+    def mark(self) -> float | torch.cuda.Event:
+        """A mark at this point of the (host or current-stream) timeline."""
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: float | torch.cuda.Event, end: float | torch.cuda.Event) -> float:
+        """Seconds from mark ``start`` to mark ``end`` (both completed on CUDA)."""
+        if self._cuda:
+            return start.elapsed_time(end) / 1e3
+        return end - start
+
+
+class TimedHook:
+    """A DDP comm hook and its state, wrapped to mark each bucket's call on a :class:`Timeline`.
+
+    DDP calls a bucket's hook once the bucket's gradients are computed and waits, at the end of
+    the backward pass, for the futures the hooks returned. The marks on either side of each call
+    (``spans``: ``(called, returned)``) let :func:`phase_breakdown` tell compute from the time
+    the backward pass spent blocked in a hook, and from its final wait for the reductions.
+    Register it with :func:`timed_hook`: ``ddp_model.register_comm_hook(timed, timed_hook)``.
+    """
+
+    __slots__ = ("hook", "spans", "state", "timeline")
+
+    def __init__(self, state: object, hook, timeline: Timeline) -> None:
+        self.state = state
+        self.hook = hook
+        self.timeline = timeline
+        self.spans: list[tuple] = []
+
+
+def timed_hook(timed: TimedHook, bucket):
+    """The comm hook of a :class:`TimedHook`: mark, run the wrapped hook, mark, hand on its future."""
+    # No annotations: DDP compares them with dist.GradBucket and Future[Tensor] as objects, and
+    # this module's (from __future__ import annotations) would be strings, which it rejects.
+    called = timed.timeline.mark()
+    future = timed.hook(timed.state, bucket)
+    timed.spans.append((called, timed.timeline.mark()))
+    return future
+
+
+def phase_breakdown(
+    data_end: float,
+    forward_end: float,
+    backward_end: float,
+    step_end: float,
+    wall: float,
+    hook_spans: list[tuple[float, float]],
+    prune_inline: float,
+) -> dict[str, float]:
+    """Split one iteration's ``wall`` seconds into the parts of :data:`BREAKDOWN`; they sum to ``wall``.
+
+    Times are seconds from the iteration's start on one timeline: the ends of the data, forward,
+    backward and optimizer phases, and each comm hook call's ``(called, returned)``, which lie
+    in the backward pass. Time inside the hooks blocked the backward pass (on GPUs: the training
+    stream); of it, ``prune_inline`` seconds (the hook's pruning, when it runs in line) are
+    pruning and the rest communication. After the last hook returns, the backward pass only
+    waits for the reductions still in flight (the gradients are all computed by then), so that
+    tail is communication too. What is left of the backward pass is compute. ``other`` is the
+    wall time outside the marked phases.
+    """
+    in_hooks = sum(returned - called for called, returned in hook_spans)
+    tail = backward_end - max(returned for _, returned in hook_spans) if hook_spans else 0.0
+    prune = min(prune_inline, in_hooks)
+    return {
+        "data": data_end,
+        "forward": forward_end - data_end,
+        "backward": backward_end - forward_end - in_hooks - tail,
+        "comm_wait": in_hooks - prune + tail,
+        "prune_inline": prune,
+        "optimizer": step_end - backward_end,
+        "other": wall - step_end,
+    }
 
 
 @contextlib.contextmanager
@@ -183,12 +307,22 @@ def collective_config(cfg: ExperimentConfig, local_world: int) -> CollectiveConf
     )
 
 
-def _hook(cfg: ExperimentConfig, model: torch.nn.parallel.DistributedDataParallel, local_world: int):
+def _hook(
+    cfg: ExperimentConfig, model: torch.nn.parallel.DistributedDataParallel, local_world: int, timeline: Timeline
+) -> tuple[spccl_ddp.DenseHookState | spccl_ddp.SparseHookState, TimedHook, bool]:
+    """Register the dense or sparse comm hook, wrapped in a :class:`TimedHook`.
+
+    Returns the hook's state, the wrapper, and whether the hook prunes in line with the backward
+    pass (on the training stream, or on CPU the training thread), so that its pruning time is
+    time the backward pass waited for.
+    """
     s = cfg.spccl
     if not s.enabled:
         state = spccl_ddp.DenseHookState()
-        model.register_comm_hook(state, spccl_ddp.dense_allreduce_hook)
-        return state
+        timed = TimedHook(state, spccl_ddp.dense_allreduce_hook, timeline)
+        model.register_comm_hook(timed, timed_hook)
+        return state, timed, False
+    overlap = {"auto": None, "on": True, "off": False, "stream": "stream"}[s.overlap]
     state = spccl_ddp.SparseHookState(
         density=s.density,
         sample_fraction=s.sample_fraction,
@@ -199,11 +333,17 @@ def _hook(cfg: ExperimentConfig, model: torch.nn.parallel.DistributedDataParalle
         dense_iterations=s.dense_iterations,
         warmup_steps=s.warmup_steps,
         seed=cfg.train.seed,
-        overlap={"auto": None, "on": True, "off": False, "stream": "stream"}[s.overlap],
+        overlap=overlap,
         capacity_factor=s.capacity_factor or None,
     )
-    model.register_comm_hook(state, spccl_ddp.sparse_allreduce_hook)
-    return state
+    timed = TimedHook(state, spccl_ddp.sparse_allreduce_hook, timeline)
+    model.register_comm_hook(timed, timed_hook)
+    # The hook's own dispatch (spccl_train.ddp.sparse_allreduce_hook): on CPU every mode but a
+    # background thread runs in line; on CUDA "stream" and the thread prune on a side stream.
+    on_cuda = next(model.parameters()).is_cuda
+    resolved = overlap if overlap is not None else on_cuda
+    inline = s.prune and (resolved is False or (resolved == "stream" and not on_cuda))
+    return state, timed, inline
 
 
 def _run_name(cfg: ExperimentConfig, config_name: str, engine: str = "") -> str:
@@ -219,6 +359,7 @@ def run_worker(cfg: ExperimentConfig, config_name: str) -> pathlib.Path | None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cfg = apply_emulation(cfg)
     device = _device(cfg, local_rank)
     backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cpu":
@@ -229,6 +370,26 @@ def run_worker(cfg: ExperimentConfig, config_name: str) -> pathlib.Path | None:
             return _train(cfg, config_name, rank, world, local_rank, local_world, device)
     finally:
         dist.destroy_process_group()
+
+
+def apply_emulation(cfg: ExperimentConfig) -> ExperimentConfig:
+    """Put this rank on its emulated node (``dist.emulate_nodes``) and set ``dist.ranks_per_node``
+    to the emulated nodes' size. Call it before the process group is made (NCCL reads the host
+    id when the group connects)."""
+    if cfg.dist.emulate_nodes <= 1:
+        return cfg
+    if dist.is_initialized():
+        raise ValueError(
+            f"dist.emulate_nodes={cfg.dist.emulate_nodes}: the process group already exists, so its ranks cannot "
+            "be moved onto emulated nodes; let the trainer make the group, or set dist.emulate_nodes=0"
+        )
+    placed = emulate_nodes(cfg.dist.emulate_nodes)
+    if cfg.dist.ranks_per_node not in (0, placed.ranks_per_node):
+        raise ValueError(
+            f"dist.ranks_per_node={cfg.dist.ranks_per_node} contradicts dist.emulate_nodes={cfg.dist.emulate_nodes} "
+            f"({placed.ranks_per_node} ranks per emulated node): leave dist.ranks_per_node at 0"
+        )
+    return dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, ranks_per_node=placed.ranks_per_node))
 
 
 def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pathlib.Path | None:
@@ -247,7 +408,9 @@ def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pa
         bucket_cap_mb=t.bucket_cap_mb,
         gradient_as_bucket_view=True,
     )
-    state = _hook(cfg, ddp_model, local_world)
+    timeline = Timeline(device)
+    state, timed, prunes_inline = _hook(cfg, ddp_model, local_world, timeline)
+    links = _links(cfg, rank, world, local_world, device)
     optimizer = make_optimizer(model.parameters(), cfg.optim)
     precision, autocast = _autocast(cfg, device)
 
@@ -256,21 +419,38 @@ def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pa
         lr = _lr_at(cfg, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batch = data.batch(step, rank, world, t.micro_batch_size, t.seed).to(device, non_blocking=True)
-        _sync(device)
+        _sync(device)  # nothing of the last iteration (its loss all-reduce) runs into this one
         start = time.perf_counter()
+        timed.spans.clear()
+        t0 = timeline.mark()
+        batch = data.batch(step, rank, world, t.micro_batch_size, t.seed).to(device, non_blocking=True)
+        t_data = timeline.mark()
         with autocast():
             logits = ddp_model(input_ids=batch[:, :-1]).logits
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        t_forward = timeline.mark()
         loss.backward()
+        t_backward = timeline.mark()
         if cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        t_step = timeline.mark()
         _sync(device)
         elapsed = time.perf_counter() - start
+        # Off the hot path from here: the device is idle, so reading the marks waits for nothing.
         hook = state.summary()
         state.reset_stats()
+        since = functools.partial(timeline.seconds, t0)
+        parts = phase_breakdown(
+            since(t_data),
+            since(t_forward),
+            since(t_backward),
+            since(t_step),
+            elapsed,
+            [(since(called), since(returned)) for called, returned in timed.spans],
+            hook.prune_seconds if prunes_inline else 0.0,
+        )
         log.record(
             step,
             elapsed,
@@ -283,6 +463,7 @@ def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pa
             dense_bytes=hook.dense_bytes,
             deferred=hook.deferred,
             exchanges=hook.exchanges,
+            **{f"{key}_s": value for key, value in parts.items()},
         )
     log.close()
     if rank != 0:
@@ -296,8 +477,22 @@ def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pa
         world,
         device,
         data,
-        {"precision": precision, "parameters": n_params},
+        {"precision": precision, "parameters": n_params, "links": links},
     )
+
+
+def _links(cfg: ExperimentConfig, rank: int, world: int, local_world: int, device: torch.device) -> str | None:
+    """Measure the links up front and say on rank 0 what was found, where it matters: on emulated
+    nodes, and where SpCCL's ``auto`` chooses from the measured model (it would probe at its first
+    call anyway; probing here keeps that out of the first timed iteration and shows the figures).
+    Collective: every rank calls it."""
+    s = cfg.spccl
+    if world < 2 or not (cfg.dist.emulate_nodes > 1 or (s.enabled and "auto" in (s.format, s.algorithm))):
+        return None
+    described = measure_links(config=collective_config(cfg, local_world), device=device).describe()
+    if rank == 0:
+        print(f"links: {described}", flush=True)
+    return described
 
 
 class RunLog:
@@ -314,6 +509,12 @@ class RunLog:
         names = [_run_name(cfg, config_name, engine)]
         dist.broadcast_object_list(names, src=0)
         self.run_dir = pathlib.Path(cfg.output.dir) / names[0]
+        # Every rank's device, once, before the loop: the summary counts distinct devices, not
+        # ranks (two ranks on one GPU are not two GPUs), and finish_run runs on rank 0 alone.
+        self.devices: list = [None] * world
+        dist.all_gather_object(self.devices, device_identity(device))
+        if rank == 0:
+            _run_devices[self.run_dir] = self.devices
         self.records: list[IterationRecord] = []
         self._world = world
         self._loss_sum = torch.zeros((), device=device)
@@ -351,6 +552,38 @@ class RunLog:
             self._progress.close()
 
 
+_run_devices: dict[pathlib.Path, list] = {}
+"""Rank 0's record of every rank's :func:`device_identity`, by run folder (filled by :class:`RunLog`)."""
+
+
+def device_identity(device: torch.device) -> tuple[str, str, str]:
+    """``(host, device id, device name)`` of a rank's device: ranks with equal host and id share it.
+
+    GPUs are told apart by UUID, which names one GPU whatever index ``CUDA_VISIBLE_DEVICES``
+    gives it in each process, else by index on the host; a host's CPU is one device.
+    """
+    host = socket.gethostname()
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        uuid = getattr(props, "uuid", None)
+        return host, str(uuid) if uuid is not None else f"cuda:{device.index}", props.name
+    return host, device.type, device.type
+
+
+def describe_devices(identities: list[tuple[str, str, str]]) -> str:
+    """What the ranks run on, counting distinct devices: ``4 x NVIDIA H200`` (one each) or
+    ``2 ranks on 1 x NVIDIA H200`` (sharing); kinds of device joined by `` + ``."""
+    kinds: dict[str, tuple[list[int], set[tuple[str, str]]]] = {}
+    for host, ident, name in identities:
+        ranks, devices = kinds.setdefault(name, ([0], set()))
+        ranks[0] += 1
+        devices.add((host, ident))
+    return " + ".join(
+        f"{ranks[0]} x {name}" if ranks[0] == len(devices) else f"{ranks[0]} ranks on {len(devices)} x {name}"
+        for name, (ranks, devices) in kinds.items()
+    )
+
+
 def finish_run(
     cfg: ExperimentConfig,
     config_name: str,
@@ -363,11 +596,18 @@ def finish_run(
     label: str = "run",
 ) -> pathlib.Path:
     """On rank 0 after the loop: summarise, write the run files, print the summary, plot."""
+    # RunLog gathered every rank's device; without it (a caller that made none) only this
+    # rank's is known, and the line says so rather than guess that each rank has its own.
+    identities = _run_devices.pop(run_dir, None)
     info = {
         "config_name": config_name,
         "mode": "spccl" if cfg.spccl.enabled else "dense",
         "world_size": world,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "devices": len({(host, ident) for host, ident, _ in identities}) if identities else None,
+        "device_line": describe_devices(identities)
+        if identities
+        else f"{world} ranks, rank 0 on {describe_devices([device_identity(device)])}",
         "backend": dist.get_backend(),
         **extra,
         "tokens_per_iteration": world * cfg.train.micro_batch_size * cfg.data.seq_len,
@@ -394,7 +634,15 @@ def _sync(device: torch.device) -> None:
 
 
 def summarize(records: list[IterationRecord], warmup: int, info: dict) -> dict:
-    """Means over the iterations after ``warmup`` (the paper: the last 80 of 100)."""
+    """Means over the iterations after ``warmup`` (the paper: the last 80 of 100).
+
+    ``breakdown_ms`` holds the means of the :data:`BREAKDOWN` parts, which add up to
+    ``iteration_ms`` (``None`` when the loop did not split its iterations). ``allreduce_ms`` and
+    ``prune_ms`` are the comm hook's own totals: each bucket's all-reduce from issue to
+    completion, summed over buckets, and all pruning. Spans of different buckets overlap one
+    another and the backward pass, so ``allreduce_ms`` is not part of the iteration's sum and
+    can exceed it; ``breakdown_ms["comm_wait"]`` is what the step waited for.
+    """
     kept = records[warmup:]
     n = len(kept)
 
@@ -403,6 +651,7 @@ def summarize(records: list[IterationRecord], warmup: int, info: dict) -> dict:
 
     sent, dense = sum(r.bytes_sent for r in kept), sum(r.dense_bytes for r in kept)
     tail = records[-min(10, len(records)) :]
+    breakdown = {key: 1e3 * mean(f"{key}_s") for key, _, _ in BREAKDOWN}
     return {
         **info,
         "iterations": len(records),
@@ -410,6 +659,7 @@ def summarize(records: list[IterationRecord], warmup: int, info: dict) -> dict:
         "summarised_iterations": n,
         "iteration_ms": 1e3 * mean("time_s"),
         "iteration_ms_median": 1e3 * statistics.median(r.time_s for r in kept),
+        "breakdown_ms": None if any(math.isnan(v) for v in breakdown.values()) else breakdown,
         "allreduce_ms": 1e3 * mean("allreduce_s"),
         "prune_ms": 1e3 * mean("prune_s"),
         "tokens_per_s": info["tokens_per_iteration"] / mean("time_s"),
@@ -432,17 +682,35 @@ def _write_run(run_dir: pathlib.Path, records: list[IterationRecord], summary: d
 
 
 def format_summary(summary: dict, run_dir: pathlib.Path) -> str:
-    """The readable end-of-run summary."""
+    """The readable end-of-run summary: the iteration's parts (they add up to it) and what each means."""
     s = summary
+    # Runs written before the device line existed say "world x device".
+    devices = s.get("device_line") or f"{s['world_size']} x {s['device']}"
     lines = [
         f"run: {run_dir}",
-        f"  {s['mode']} | {s['world_size']} x {s['device']} ({s['backend']}, {s['precision']}) | "
+        f"  {s['mode']} | {devices} ({s['backend']}, {s['precision']}) | "
         f"{s['parameters'] / 1e6:.1f}M parameters | commit {s['commit']}",
         f"  iterations {s['iterations']} (summary over the last {s['summarised_iterations']}, "
         f"{s['warmup_iterations']} warm-up left out)",
-        f"  iteration {s['iteration_ms']:.1f} ms | all-reduce {s['allreduce_ms']:.1f} ms | "
-        f"pruning {s['prune_ms']:.1f} ms | {s['tokens_per_s']:.0f} tokens/s",
+        f"  iteration {s['iteration_ms']:.1f} ms (mean; median {s['iteration_ms_median']:.1f}) | "
+        f"{s['tokens_per_s']:.0f} tokens/s",
+    ]
+    breakdown = s.get("breakdown_ms")
+    if breakdown:
+        width = max(len(label) for _, label, _ in BREAKDOWN)
+        lines += [
+            f"    {label:{width}s} {breakdown[key]:8.1f} ms  {meaning}"
+            for key, label, meaning in BREAKDOWN
+            if key in breakdown
+        ]
+    kind = "sparse" if s["mode"] == "spccl" else "dense"
+    lines += [
+        f"  comm hook totals (not parts of the iteration): {kind} all-reduce {s['allreduce_ms']:.1f} ms, "
+        "issue to completion summed over buckets (they overlap compute and each other) | "
+        f"pruning {s['prune_ms']:.1f} ms",
         f"  loss {s['first_loss']:.3f} -> {s['final_loss']:.3f} (mean of the last 10) | density {s['density']:.4f} | "
         f"bytes sent {100 * s['bytes_ratio']:.1f}% of dense",
     ]
+    if s.get("links"):
+        lines.append(f"  links measured at start: {s['links']}")
     return "\n".join(lines)
