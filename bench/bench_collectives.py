@@ -39,7 +39,10 @@ sync (the calls synchronise the host once or twice themselves, so host time is w
 waits). Reported: the median over iterations of the slowest rank's time. The counts shrink so
 that a point takes about ``--point-budget-s`` when its first call is slow. ``predicted_ms`` is
 the cost model's prediction for the plan that ran (for ``nccl``, the model's native-dense
-prediction from the ``auto/auto`` call); ``bytes_ratio`` is bytes sent over a dense ring's,
+prediction from the ``auto/auto`` call); ``chosen`` is what the first call ran, and
+``a>b`` when later calls of the point ran ``b`` (``auto``'s measured model corrects itself from
+the calls it observes: ``spccl_train/collectives/feedback.py``; the run ends by printing what it
+learned, also in the CSV's ``corrections``); ``bytes_ratio`` is bytes sent over a dense ring's,
 summed over ranks. Memory per rank: the input, its working copy or the output, the reference
 and the tolerance (4 full-size buffers for a 1 GiB all-reduce), freed after each case.
 
@@ -115,9 +118,10 @@ from spccl_train.collectives import (
     Topology,
     clearing_graphs,
     last_stats,
+    learned_corrections,
 )
-from spccl_train.formats import Format
 from spccl_train.collectives.links import measured_model
+from spccl_train.formats import Format
 from spccl_train.emulation import emulate_nodes as emulate_nodes_env
 from spccl_train.transport import P2PTransport
 from spccl_train.transport.dense import all_gather_flat, reduce_scatter_flat
@@ -850,6 +854,10 @@ def _measure(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _R
             seconds, stats, _ = _timed_call(method, case, env)
             times.append(seconds)
             ok = ok and _clean(stats)
+            if stats is not None:  # auto may change its mind as its model learns from observed calls
+                now = f"{stats.algorithm}/{stats.format.value}"
+                if not row.chosen.endswith(now):
+                    row.chosen = f"{row.chosen}>{now}"
         ok = ok and _matches(case)
         if case.collective != "all_reduce":
             ok = ok and _bits_sum(case.x0) == case.fingerprint
@@ -943,7 +951,7 @@ def _line(r: _Row) -> str:
 
 _FIELDS = [
     "date", "device", "torch", "commit", "world_size", "ranks_per_node", "backend", "emulated_nodes", "devices_used",
-    "measured",
+    "measured", "corrections",
     "collective", "method", "format",
     "algorithm", "channels", "threshold_scale", "thresholds", "dtype", "pattern", "size_bytes", "sparsity",
     "input_sparsity", "output_sparsity", "time_ms", "time_min_ms", "time_max_ms", "algbw_GBps", "busbw_GBps",
@@ -1287,6 +1295,10 @@ def _main(settings: _Settings, env: _Env) -> int:
         del case
         benchlib.free_cache(env.device)
     elapsed = time.perf_counter() - started
+    if "measured" in meta:  # what auto's model learned from the calls it observed (collectives/feedback.py)
+        meta["corrections"] = learned_corrections().describe()
+        if lead:
+            print(f"corrections learned: {meta['corrections']}", flush=True)
     status = 1 if not all(r.verified for r in rows) else 3 if skipped else 0
     failure = None
     if lead:

@@ -36,6 +36,12 @@ class Span:
         self._end = time.perf_counter()
         return None
 
+    def done(self) -> bool:
+        """Whether the span is stopped and (on CUDA) its end has been reached; never waits."""
+        if self._end is None:
+            return False
+        return self._end.query() if self._cuda else True
+
     def seconds(self) -> float:
         """Length of the span in seconds (on CUDA this waits for the end event)."""
         if self._end is None:

@@ -8,6 +8,7 @@ topology, feeds ``auto``, and that codec calibrations are cached per device and 
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -16,8 +17,7 @@ import torch.distributed as dist
 from _pool import pool_factory
 
 import spccl_train
-from spccl_train.collectives import CollectiveConfig, Topology, last_stats
-from spccl_train.collectives import links
+from spccl_train.collectives import CollectiveConfig, Topology, feedback, last_stats, links
 from spccl_train.collectives.cost import CodecCost, CostModel
 from spccl_train.emulation import emulate_nodes, node_env
 from spccl_train.transport import P2PTransport
@@ -33,7 +33,9 @@ def _job_probe(rank, world, ranks_per_node):
     return probe.intra, probe.inter, probe.exchange_s
 
 
-@pytest.mark.parametrize("world, ranks_per_node, kinds", [(4, 2, {"intra", "inter"}), (2, None, {"intra"}), (2, 1, {"inter"})])
+@pytest.mark.parametrize(
+    "world, ranks_per_node, kinds", [(4, 2, {"intra", "inter"}), (2, None, {"intra"}), (2, 1, {"inter"})]
+)
 def test_probe_finds_the_hop_kinds_and_agrees_on_every_rank(pools, world, ranks_per_node, kinds):
     got = pools(world).run(_job_probe, ranks_per_node)
     assert all(g == got[0] for g in got), "ranks disagree on the measured links"
@@ -218,3 +220,104 @@ def test_measure_links_is_what_the_collectives_use(pools, tmp_path):
     assert probes == 1 and has_inter  # one node per rank: the probe saw an inter-node link
     assert "GB/s" in described and "Pici encode" in described
     assert given_links is None and "links not measured (default:cpu)" in given_described
+
+
+# --------------------------------------------------------------------------- the update rule
+
+
+class _Done:
+    """A stopped timer of a given length."""
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+
+    def done(self) -> bool:
+        return True
+
+    def seconds(self) -> float:
+        return self._seconds
+
+
+def test_a_far_miss_moves_the_factor_halfway_and_a_near_one_does_not():
+    import random
+
+    rng = random.Random()
+    predicted = rng.uniform(1e-4, 1.0)
+    error = rng.choice([rng.uniform(1.3, 12.0), 1 / rng.uniform(1.3, 12.0)])  # a steady miss, either way
+    c = feedback.Corrections()
+    nbytes = rng.choice([64, 256, 1024]) << 20
+
+    def observe(measured_s: float, times: list[int] | None = None) -> bool:
+        c.called("all_reduce", "ring/pici", nbytes, predicted, _Done(measured_s))
+        return c.learn(times if times is not None else [c.report(), round(measured_s * 1e9 * 0.5)])
+
+    assert not observe(predicted * error)  # the first observation of a kind is warm-up
+    factors = []
+    for _ in range(8):
+        observe(predicted * error)
+        factors.append(c.factors_for("all_reduce", nbytes).get("ring/pici", 1.0))
+    # halfway in log space each time: error**(1/2), error**(3/4), ... until within FAR: then no change
+    want = [error ** (1 - 0.5**k) for k in (1, 2)]
+    assert factors[:2] == pytest.approx(want, rel=1e-9)
+    assert factors[-1] == factors[-2] and abs(math.log(error / factors[-1])) <= math.log(feedback.FAR)
+    version = c.version
+    assert not observe(predicted * factors[-1] * 1.2)  # near its corrected prediction: kept
+    assert not observe(predicted * error, [-1, 5])  # a rank that had not finished: nothing learned
+    assert c.version == version
+    # other sizes and collectives have factors of their own
+    assert c.factors_for("all_reduce", nbytes * 16) == {} and c.factors_for("all_gather", nbytes) == {}
+    # factors stay in range however far the measurements are
+    for _ in range(20):
+        observe(predicted * 1e6)
+    assert c.factors_for("all_reduce", nbytes)["ring/pici"] == feedback.FACTOR_RANGE[1]
+    assert "all_reduce ring/pici" in c.describe()
+
+
+def test_the_slowest_rank_is_the_calls_time():
+    c = feedback.Corrections()
+    for times in ([1, 1], [4_000_000_000, 1]):
+        c.called("all_gather", "direct/coo", 1 << 20, 1.0, _Done(1.0))
+        c.learn(times)
+    assert c.factors_for("all_gather", 1 << 20)["direct/coo"] == pytest.approx(2.0)  # halfway to 4 s / 1 s
+
+
+def _job_learns(rank, world, cache_dir, slow):
+    """Calls take what the model predicted (the ranks within 10% of each other), except that
+    candidate ``slow`` takes 50x that: ``auto`` must learn to leave it, identically on every rank."""
+    os.environ["SPCCL_CACHE_DIR"] = cache_dir
+    links.forget_measured()
+    real = feedback.Corrections.report
+    chosen = []
+
+    def report(self):
+        pending = self._pending
+        if pending is None:
+            return -1
+        took = pending.predicted_s * 1e9 * (1 + 0.1 * rank)
+        return round(50 * took if pending.kind[1] == slow else took)
+
+    feedback.Corrections.report = report
+    try:
+        group = dist.new_group()  # corrections of its own
+        config = CollectiveConfig(ranks_per_node=1)
+        x = torch.zeros(world * 40_000)
+        x[rank::50] = 1.0
+        for _ in range(8):
+            spccl_train.all_reduce(x.clone(), group=group, config=config)
+            chosen.append(f"{last_stats().algorithm}/{last_stats().format.value}")
+        learned = spccl_train.collectives.learned_corrections(group)
+        return chosen, dict(learned.factors), learned.version
+    finally:
+        feedback.Corrections.report = real
+
+
+def test_auto_leaves_a_candidate_that_runs_far_slower_than_predicted(pools, tmp_path):
+    # first find what auto picks untaught, then teach it that this pick is slow
+    first = pools(2).run(_job_learns, str(tmp_path), "none/none")
+    untaught = first[0][0][0]
+    assert all(g[0] == [untaught] * 8 for g in first), first
+    got = pools(2).run(_job_learns, str(tmp_path), untaught)
+    assert all(g == got[0] for g in got), "ranks learned differently"
+    chosen, factors, version = got[0]
+    assert chosen[0] == untaught and chosen[-1] != untaught, chosen
+    assert version > 0 and any(name == untaught and f > 1 for (_, name, _), f in factors.items()), factors

@@ -12,8 +12,8 @@ import torch
 
 from spccl_train import cli
 from spccl_train.train import config as C
-from spccl_train.train.data import DataError, TokenData, embedded_corpus, prepare_tokens
 from spccl_train.train import trainer as T
+from spccl_train.train.data import DataError, TokenData, embedded_corpus, prepare_tokens
 from spccl_train.train.report import BREAKDOWN, default_report_path
 
 EMULATION_VARIABLES = (
@@ -406,8 +406,16 @@ def _fake_run(root: pathlib.Path, name: str, mode: str, broken_down: bool = True
         time_s = sum(parts.values()) if broken_down else rng.uniform(0.01, 0.1)
         records.append(
             T.IterationRecord(
-                iteration=i, time_s=time_s, allreduce_s=0.01, prune_s=0.0, loss=8.0 - i * rng.random(),
-                lr=1e-3, density=1.0, bytes_sent=100, dense_bytes=100, **parts,
+                iteration=i,
+                time_s=time_s,
+                allreduce_s=0.01,
+                prune_s=0.0,
+                loss=8.0 - i * rng.random(),
+                lr=1e-3,
+                density=1.0,
+                bytes_sent=100,
+                dense_bytes=100,
+                **parts,
             )
         )
     info = {"config_name": "tiny_cpu", "mode": mode, "world_size": 2, "device": "cpu", "tokens_per_iteration": 64}

@@ -44,6 +44,7 @@ from .exchange import (
     exchange_counts,
     exchange_reduced_counts,
 )
+from .feedback import Corrections
 from .graphs import graph_key, remember_bounds, remembered_bounds, run_graphed
 from .links import Measured, measured_model
 from .plan import Plan, bound_reduced_counts, plan_all_gather
@@ -59,6 +60,7 @@ __all__ = [
     "CollectiveStats",
     "last_stats",
     "measure_links",
+    "learned_corrections",
 ]
 
 _log = logging.getLogger(__name__)
@@ -411,6 +413,25 @@ def _model(
 
 _default_models: dict[str, CostModel] = {}
 
+_corrections_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _corrections(config: CollectiveConfig, transport: P2PTransport) -> Corrections | None:
+    """The group's :class:`~.feedback.Corrections` when its model is the measured one, else ``None``.
+    Keyed by the transport (one per group object), weakly, as the transports are."""
+    if config.cost_model != "measured" or transport.world < 2:
+        return None
+    found = _corrections_of.get(transport)
+    if found is None:
+        found = _corrections_of[transport] = Corrections()
+    return found
+
+
+def learned_corrections(group: dist.ProcessGroup | None = None) -> Corrections:
+    """What the collectives of ``group`` learned from their observed times (:mod:`.feedback`):
+    the factors their measured model's predictions are multiplied by, by kind of call."""
+    return _corrections(CollectiveConfig(cost_model="measured"), _transport(group)) or Corrections()
+
 
 def measure_links(
     group: dist.ProcessGroup | None = None,
@@ -429,7 +450,9 @@ def measure_links(
     config = config or CollectiveConfig()
     transport = _transport(group)
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if transport.backend == "nccl" else torch.device("cpu")
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if transport.backend == "nccl" else torch.device("cpu")
+        )
     topology = Topology(transport.world, _ranks_per_node(config, transport))
     if config.cost_model == "measured" and transport.world > 1:
         return measured_model(transport, topology, transport.exchange_device(device))
@@ -527,6 +550,7 @@ def _run(
         return stats, timer.stop()
 
     x = inp.view(-1) if not problems else inp
+    corrections = _corrections(config, transport)
     if bounds is not None:  # planned from the caller's bounds: no count, no exchange, no synchronisation
         check_local(request, p, transport.backend)
         table = check_bounds(bounds, layout, collective)
@@ -538,15 +562,19 @@ def _run(
         if config.gather_counts == "auto":  # nothing to measure: the gather phase is sized from the bounds
             config, fingerprint = _bounded_config(config, fingerprint)
     else:
-        table, xdev = _exchange(collective, request, layout, x, r, p * config.channels, planner, planning_stream)
+        table, xdev = _exchange(
+            collective, request, layout, x, r, p * config.channels, planner, planning_stream, corrections
+        )
     # From here on every rank holds the same valid table and computes the same decisions.
     topology = Topology(p, _ranks_per_node(config, transport))
     model, tag = _model(config, transport, topology, inp.device)
     key = f"{fingerprint}|{tag}"
     if bounds is not None and _graphable(config, inp, out, transport):  # replayed: no host cost per launch
         model, key = model.replayed(), f"{key}|replayed"
+    nbytes = layout.numel * inp.element_size()
+    factors = corrections.factors_for(collective, nbytes) if corrections is not None else None
     choice, weighed = decide(
-        collective, config, key, table, layout, inp.dtype, topology, model, 0 if bounds is not None else 1
+        collective, config, key, table, layout, inp.dtype, topology, model, 0 if bounds is not None else 1, factors
     )
     plan = plan_candidate(choice, collective, config, table, layout, inp.dtype, topology)
     sink = StatusSink(inp.device)
@@ -595,6 +623,9 @@ def _run(
             plan = plan.then(gather)
         sent, dense = plan.bytes_sent(r), plan.dense_bytes(r)
     event = timer.stop()
+    if corrections is not None:
+        uncorrected = choice.predicted_s / (factors or {}).get(choice.name, 1.0)
+        corrections.called(collective, choice.name, nbytes, uncorrected, timer)
     stats = CollectiveStats(
         collective=collective,
         algorithm=choice.algorithm,
@@ -662,8 +693,10 @@ def _exchange(
     width: int,
     planner: P2PTransport,
     planning_stream: torch.cuda.Stream | None,
+    corrections: Corrections | None,
 ) -> tuple[list[list[int]], torch.device]:
-    """Count this rank's pieces and exchange the counts (the call's host synchronisation)."""
+    """Count this rank's pieces and exchange the counts (the call's host synchronisation), with
+    the time of this rank's previous call on the group, which ``corrections`` learns from."""
     counts = None
     with torch.cuda.stream(planning_stream) if planning_stream is not None else contextlib.nullcontext():
         if layout is not None and not request.problems:
@@ -671,7 +704,10 @@ def _exchange(
                 counts = count_nonzero_pieces(x, layout, [r], base=layout.chunks[r].start)
             else:
                 counts = count_nonzero_pieces(x, layout)
-        table, xdev = exchange_counts(planner, request, counts, width)
+        observed = corrections.report() if corrections is not None else -1
+        table, xdev, times = exchange_counts(planner, request, counts, width, observed)
+    if corrections is not None:
+        corrections.learn(times)
     if planning_stream is not None:  # what the planning stream waited for, the transfers wait for too
         torch.cuda.current_stream(x.device).wait_stream(planning_stream)
     return table, xdev
@@ -702,7 +738,15 @@ def _measured_bounds(
     request, problems, _, layout = _request(collective, transport, config, fingerprint, inp, out)
     x = inp.view(-1) if not problems else inp
     table, _ = _exchange(
-        collective, request, layout, x, transport.rank, transport.world * config.channels, planner, planning_stream
+        collective,
+        request,
+        layout,
+        x,
+        transport.rank,
+        transport.world * config.channels,
+        planner,
+        planning_stream,
+        _corrections(config, transport),
     )
     assert layout is not None  # the exchange raised on every rank otherwise
     sizes = [piece.numel for chunk in layout.pieces for piece in chunk]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -66,6 +66,7 @@ def choose(
     topology: Topology,
     model: CostModel,
     exchanges: int = 1,
+    factors: Mapping[str, float] | None = None,
 ) -> tuple[Candidate, dict[str, float]]:
     """Weigh the candidates ``config`` allows; return the cheapest and every prediction by name.
 
@@ -78,6 +79,8 @@ def choose(
         model: the cost model.
         exchanges: planning exchanges (each with its count pass) every candidate pays: 1, or 0
             for a call planned from bounds; an all-reduce that measures its gather phase adds one.
+        factors: corrections learned from observed calls (:mod:`.feedback`), by candidate name:
+            each candidate's prediction is multiplied by its factor (absent: 1).
     """
     native_only = config.format == "dense" and config.algorithm == "auto"
     candidates: list[Candidate] = []
@@ -119,6 +122,8 @@ def choose(
                     if best_gather is None or predicted < best_gather[0]:
                         best_gather = (predicted, mode)
                 candidates.append(Candidate(algorithm, fmt, plan, best_gather[0], best_gather[1]))
+    if factors:
+        candidates = [dataclasses.replace(c, predicted_s=c.predicted_s * factors.get(c.name, 1.0)) for c in candidates]
     best = candidates[0]
     for candidate in candidates[1:]:
         # A plan that sends nothing sparse is a dense collective run by SpCCL's own steps, which
@@ -190,6 +195,7 @@ def decide(
     topology: Topology,
     model: CostModel,
     exchanges: int = 1,
+    factors: Mapping[str, float] | None = None,
 ) -> tuple[Candidate, dict[str, float]]:
     """:func:`choose` on the :func:`quantize_counts` of ``counts``, memoised; the candidate comes without a plan.
 
@@ -198,12 +204,23 @@ def decide(
     each rank's memo holds.
     """
     rounded = quantize_counts(counts, layout, collective)
-    key = (collective, fingerprint, exchanges, dtype, layout.numel, layout.world, layout.channels, *map(tuple, rounded))
+    corrected = tuple(sorted(factors.items())) if factors else ()
+    key = (
+        collective,
+        fingerprint,
+        exchanges,
+        dtype,
+        layout.numel,
+        layout.world,
+        layout.channels,
+        corrected,
+        *map(tuple, rounded),
+    )
     hit = _decisions.get(key)
     if hit is None:
         if len(_decisions) >= _MAX_DECISIONS:
             _decisions.clear()  # a pure memo: forgetting only costs a recomputation
-        best, weighed = choose(collective, config, rounded, layout, dtype, topology, model, exchanges)
+        best, weighed = choose(collective, config, rounded, layout, dtype, topology, model, exchanges, factors)
         hit = _decisions[key] = (dataclasses.replace(best, plan=None), weighed)
     return hit
 

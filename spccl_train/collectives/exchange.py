@@ -38,7 +38,7 @@ __all__ = [
     "check_bounds",
 ]
 
-_MAGIC = 0x5350_434C_0001  # "SPCL", protocol 1
+_MAGIC = 0x5350_434C_0002  # "SPCL", protocol 2 (the header carries "observed")
 _MAGIC_REDUCED = 0x5350_434C_0101
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
@@ -61,8 +61,10 @@ HEADER_FIELDS = (
     "config",
     "problems",
     "channels",
+    "observed",
 )
-"""The header of a row, in order; the counts follow."""
+"""The header of a row, in order; the counts follow. ``observed`` is not part of the call: the
+nanoseconds the rank's previous call on the group took, or -1 (:mod:`.feedback`)."""
 
 _DTYPES = (
     torch.float32,
@@ -119,8 +121,8 @@ class Request:
     channels: int
     """Pieces per chunk."""
 
-    def header(self) -> list[int]:
-        """The header fields, in :data:`HEADER_FIELDS` order."""
+    def header(self, observed: int = -1) -> list[int]:
+        """The header fields, in :data:`HEADER_FIELDS` order, with ``observed`` last."""
         return [
             _MAGIC,
             COLLECTIVES.index(self.collective) + 1,
@@ -132,6 +134,7 @@ class Request:
             self.config,
             int(self.problems),
             self.channels,
+            observed,
         ]
 
 
@@ -150,8 +153,8 @@ def config_code(fingerprint: str) -> int:
 
 
 def exchange_counts(
-    transport: P2PTransport, request: Request, counts: torch.Tensor | None, width: int
-) -> tuple[list[list[int]], torch.device]:
+    transport: P2PTransport, request: Request, counts: torch.Tensor | None, width: int, observed: int = -1
+) -> tuple[list[list[int]], torch.device, list[int]]:
     """All-gather every rank's header and ``width`` counts; check them; return the counts table.
 
     Args:
@@ -160,24 +163,26 @@ def exchange_counts(
         counts: this rank's per-piece nonzero counts (int64, at most ``width``, on any device), or
             ``None`` when it has problems and counted nothing.
         width: count slots per row (``world * channels``).
+        observed: the header's ``observed`` field (:mod:`.feedback`).
 
     Returns:
-        ``(table, device)``: ``table[q]`` is rank ``q``'s ``width`` counts; ``device`` is where the
-        exchange ran.
+        ``(table, device, observed)``: ``table[q]`` is rank ``q``'s ``width`` counts; ``device`` is
+        where the exchange ran; ``observed[q]`` is rank ``q``'s ``observed`` field.
 
     Raises:
         ValueError: the same message on every rank, when any rank's call is invalid or the calls
             disagree.
     """
     device = transport.exchange_device(request.device)
-    header = torch.tensor(request.header(), dtype=torch.int64)
+    header = torch.tensor(request.header(observed), dtype=torch.int64)
     row = torch.zeros(len(HEADER_FIELDS) + width, dtype=torch.int64, device=device)
     row[: len(HEADER_FIELDS)].copy_(header, non_blocking=True)
     if counts is not None and counts.numel():
         row[len(HEADER_FIELDS) : len(HEADER_FIELDS) + counts.numel()].copy_(counts, non_blocking=True)
     table = transport.all_gather_rows(row).tolist()  # the collective's one host synchronisation
     check_table(table, request.collective, transport.world, transport.backend)
-    return [r[len(HEADER_FIELDS) :] for r in table], device
+    seen = HEADER_FIELDS.index("observed")
+    return [r[len(HEADER_FIELDS) :] for r in table], device, [r[seen] for r in table]
 
 
 def exchange_reduced_counts(transport: P2PTransport, counts: torch.Tensor, device: torch.device) -> list[list[int]]:

@@ -71,9 +71,9 @@ from ..train.data import prepare_tokens
 from ..train.trainer import (
     RunLog,
     _device,
-    apply_emulation,
     _lr_at,
     _sync,
+    apply_emulation,
     collective_config,
     finish_run,
     local_rendezvous,

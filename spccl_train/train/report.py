@@ -12,7 +12,11 @@ BREAKDOWN: tuple[tuple[str, str, str], ...] = (
     ("data", "data", "batch sampled and copied to the device"),
     ("forward", "forward", "forward pass and loss"),
     ("backward", "backward", "backward compute: the backward pass less the waits below"),
-    ("comm_wait", "communication", "gradient reduction the step waited for: in the comm hook, and at the end of backward"),
+    (
+        "comm_wait",
+        "communication",
+        "gradient reduction the step waited for: in the comm hook, and at the end of backward",
+    ),
     ("prune_inline", "pruning", "top-k pruning with error feedback, in line with the backward pass"),
     ("optimizer", "optimizer", "gradient clipping, optimizer step, zero_grad"),
     ("other", "other", "rest of the wall time: end-of-iteration synchronisation, timer reads"),
@@ -113,7 +117,6 @@ def plot_runs(run_dirs: list[str | pathlib.Path], out: str | pathlib.Path) -> pa
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
 
     runs = [(pathlib.Path(d), *load_run(d)) for d in run_dirs]
     fig, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.5))

@@ -61,7 +61,6 @@ __all__ = [
 ]
 
 
-
 @dataclasses.dataclass
 class IterationRecord:
     """One row of ``iterations.csv`` (rank 0's view; times in seconds)."""

@@ -1,0 +1,129 @@
+"""The measured cost model, corrected by what calls took: the same correction on every rank.
+
+The probe (:mod:`.links`) measures short transfers; a long collective can see less bandwidth
+(shared loopback sockets, a congested network) or more, and the model then mispredicts it by a
+steady factor. Each call's prediction is therefore checked against its measured time, and a
+call that is far from its prediction (:data:`FAR`) moves the factor of its kind toward
+measured / predicted. Later weighings multiply that kind's predictions by the factor.
+
+Decisions must be equal on every rank without a synchronisation of their own, and one rank does
+not know the others' times. So observations travel in the next planning exchange: each rank puts
+the measured time of its previous call on the group into its row's header (nanoseconds, ``-1``
+when it has none or it has not finished on the device: nothing waits for it). Every rank reads
+the same row of times, takes the slowest (a collective ends with its slowest rank) and, only when
+every rank reported, applies the same arithmetic to the same numbers. Ranks made the same
+decision for the previous call, so they hold the same kind and prediction for it.
+
+A kind is ``(collective, candidate, size class)``: the candidate as ``"ring/pici"`` or
+``"native/dense"``, the size class the call's bytes to the nearest power of 4, since the
+model's error grows with the transfer length. The first observation of a kind is left out
+(connection setup, allocation and compilation make it slow), as benchmarks leave out warm-up.
+
+What it costs: one more int in the exchange's header; learning is O(world) host work per call.
+What it misses: a call whose work is still running at the next exchange (back-to-back calls on
+CUDA, as a DDP hook issues its buckets) reports ``-1``, so with overlapped calls a kind learns
+from the calls that finished before the next one was planned (in training: the last bucket of
+each step). Calls planned from bounds (no exchange) are observed and reported at the next
+exchange. Only the measured model is corrected: a :class:`~.cost.CostModel` given in the
+config is the caller's and is used as given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from .._timing import Span
+
+__all__ = ["FAR", "FACTOR_RANGE", "STEP", "Corrections", "size_class"]
+
+FAR = 1.25
+"""A measured time more than this factor away from its prediction (either way) corrects the model."""
+STEP = 0.5
+"""How far one observation moves a factor toward what it saw, in log space (1: all the way).
+Halfway keeps one slow outlier from flipping a decision, and reaches a steady error of 4x
+within 3 observations to within :data:`FAR`."""
+FACTOR_RANGE = (1 / 16, 16.0)
+"""Bounds of a factor: the model is fitted, not guessed, and stays within this of its figures."""
+
+
+def size_class(nbytes: int) -> int:
+    """The call's bytes to the nearest power of 4 (as the exponent): 64 MiB, 256 MiB and 1 GiB
+    are classes 13, 14 and 15."""
+    return round(math.log(max(nbytes, 1), 4))
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    kind: tuple[str, str, int]
+    predicted_s: float
+    """The uncorrected prediction (equal on every rank)."""
+    timer: Span
+
+
+class Corrections:
+    """One group's correction factors, and this rank's last call on the group, not yet reported.
+
+    Every rank of the group holds an equal copy: it changes only in :meth:`learn`, from the
+    exchanged row of times. ``version`` counts the changes; the caller makes it part of the key
+    under which decisions are memoised, so a corrected model is weighed afresh.
+    """
+
+    __slots__ = ("factors", "seen", "version", "_pending")
+
+    def __init__(self) -> None:
+        self.factors: dict[tuple[str, str, int], float] = {}
+        """Factor by kind (absent: 1)."""
+        self.seen: dict[tuple[str, str, int], int] = {}
+        """Observations by kind, the first (left out) included."""
+        self.version = 0
+        self._pending: _Pending | None = None
+
+    def factors_for(self, collective: str, nbytes: int) -> dict[str, float]:
+        """The factors of the candidates of one call, by candidate name (absent: 1)."""
+        size = size_class(nbytes)
+        return {name: f for (c, name, s), f in self.factors.items() if c == collective and s == size}
+
+    def called(self, collective: str, candidate: str, nbytes: int, predicted_s: float, timer: Span) -> None:
+        """Remember this rank's call (its uncorrected prediction and its timer) for the next exchange."""
+        self._pending = _Pending((collective, candidate, size_class(nbytes)), predicted_s, timer)
+
+    def report(self) -> int:
+        """This rank's entry for the next exchange: its last call's nanoseconds, ``-1`` if none or
+        not finished. Never waits."""
+        pending = self._pending
+        if pending is None or not pending.timer.done():
+            return -1
+        return max(0, round(pending.timer.seconds() * 1e9))
+
+    def learn(self, times_ns: Sequence[int]) -> bool:
+        """Fold the exchanged times of the last call (every rank's :meth:`report`) into its kind's
+        factor; returns whether the model changed. Equal inputs on every rank, equal results."""
+        pending, self._pending = self._pending, None
+        if pending is None or not times_ns or min(times_ns) < 0 or pending.predicted_s <= 0:
+            return False
+        kind = pending.kind
+        self.seen[kind] = self.seen.get(kind, 0) + 1
+        if self.seen[kind] == 1:
+            return False  # warm-up
+        measured = max(times_ns) / 1e9
+        old = self.factors.get(kind, 1.0)
+        if 1 / FAR <= measured / (pending.predicted_s * old) <= FAR:
+            return False
+        target = math.log(measured / pending.predicted_s)
+        lo, hi = FACTOR_RANGE
+        new = min(hi, max(lo, math.exp(math.log(old) + STEP * (target - math.log(old)))))
+        if new == old:
+            return False
+        self.factors[kind] = new
+        self.version += 1
+        return True
+
+    def describe(self) -> str:
+        """One line: every factor, by kind."""
+        if not self.factors:
+            return "no corrections"
+        return ", ".join(
+            f"{collective} {name} ~4^{size}: x{f:.2f}" for (collective, name, size), f in sorted(self.factors.items())
+        )
