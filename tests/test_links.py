@@ -242,7 +242,7 @@ def test_a_far_miss_moves_the_factor_halfway_and_a_near_one_does_not():
     import random
 
     rng = random.Random()
-    predicted = rng.uniform(1e-4, 1.0)
+    predicted = rng.uniform(1e-3, 1.0)
     error = rng.choice([rng.uniform(1.3, 12.0), 1 / rng.uniform(1.3, 12.0)])  # a steady miss, either way
     c = feedback.Corrections()
     nbytes = rng.choice([64, 256, 1024]) << 20
@@ -258,7 +258,7 @@ def test_a_far_miss_moves_the_factor_halfway_and_a_near_one_does_not():
         factors.append(c.factors_for("all_reduce", nbytes).get("ring/pici", 1.0))
     # halfway in log space each time: error**(1/2), error**(3/4), ... until within FAR: then no change
     want = [error ** (1 - 0.5**k) for k in (1, 2)]
-    assert factors[:2] == pytest.approx(want, rel=1e-9)
+    assert factors[:2] == pytest.approx(want, rel=1e-5)  # times travel as whole nanoseconds
     assert factors[-1] == factors[-2] and abs(math.log(error / factors[-1])) <= math.log(feedback.FAR)
     version = c.version
     assert not observe(predicted * factors[-1] * 1.2)  # near its corrected prediction: kept
