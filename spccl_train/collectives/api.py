@@ -623,7 +623,8 @@ def _run(
             plan = plan.then(gather)
         sent, dense = plan.bytes_sent(r), plan.dense_bytes(r)
     event = timer.stop()
-    if corrections is not None:
+    if corrections is not None and not (inp.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # (a call captured in a CUDA graph ran nothing: its timer's events belong to the graph)
         uncorrected = choice.predicted_s / (factors or {}).get(choice.name, 1.0)
         corrections.called(collective, choice.name, nbytes, uncorrected, timer)
     stats = CollectiveStats(

@@ -93,9 +93,15 @@ class Corrections:
         """This rank's entry for the next exchange: its last call's nanoseconds, ``-1`` if none or
         not finished. Never waits."""
         pending = self._pending
-        if pending is None or not pending.timer.done():
+        try:
+            if pending is None or not pending.timer.done():
+                return -1
+            return max(0, round(pending.timer.seconds() * 1e9))
+        except RuntimeError:
+            # An unreadable timer (a CUDA event that a graph or another context owns) is no
+            # observation. Raising here instead would leave this rank out of an exchange that
+            # the others wait in; -1 makes every rank skip this call alike.
             return -1
-        return max(0, round(pending.timer.seconds() * 1e9))
 
     def learn(self, times_ns: Sequence[int]) -> bool:
         """Fold the exchanged times of the last call (every rank's :meth:`report`) into its kind's
