@@ -677,6 +677,7 @@ def _settled_native(
     layout: ChunkLayout,
     inp: torch.Tensor,
     corrections: Corrections | None,
+    count: bool = True,
 ) -> tuple[tuple[float, dict[str, float]], float] | None:
     """``((native's uncorrected predicted seconds without an exchange, the candidates as
     weighed), native's correction factor)`` when the call goes native whatever its counts, else
@@ -688,7 +689,8 @@ def _settled_native(
     could make a sparse candidate win, and the exchange that would count the nonzeros is only a
     cost. Decided from what the call's sizes, dtype, world, config and (measured) model are, which
     every rank of a valid call holds alike; memoised, so a repeated call costs a dictionary lookup.
-    Under the measured model every :data:`RECHECK_EVERY`-th such call exchanges anyway.
+    Under the measured model every :data:`RECHECK_EVERY`-th such call exchanges anyway (``count``:
+    whether this look counts as a call; a look ahead does not).
     A call whose ranks disagree on these (which the exchange would have caught) is not caught here:
     ranks that settle on native and ranks that exchange then wait for each other, as mismatched
     ``torch.distributed`` calls do.
@@ -711,7 +713,7 @@ def _settled_native(
     found = _settled[key]
     if found is None:
         return None
-    if corrections is not None:  # counted per group, so every rank of it re-checks the same call
+    if corrections is not None and count:  # counted per group, so every rank of it re-checks the same call
         calls = corrections.settled_calls[key] = corrections.settled_calls.get(key, 0) + 1
         if calls % RECHECK_EVERY == 0:
             return None
@@ -731,7 +733,8 @@ def _settles_native(
     corrections = _corrections(config, transport)
     return (
         layout is not None
-        and _settled_native(collective, config, fingerprint, transport, layout, inp, corrections) is not None
+        and _settled_native(collective, config, fingerprint, transport, layout, inp, corrections, count=False)
+        is not None
     )
 
 
