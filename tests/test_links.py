@@ -7,6 +7,7 @@ topology, feeds ``auto``, and that codec calibrations are cached per device and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -47,13 +48,22 @@ def test_probe_finds_the_hop_kinds_and_agrees_on_every_rank(pools, world, ranks_
     assert 0 < exchange_s < 1.0
 
 
-def _job_auto_measured(rank, world, cache_dir):
+@contextlib.contextmanager
+def _counting_probes(cache_dir):
+    """A fresh measured-model cache under ``cache_dir``, and a list that counts the link probes."""
     os.environ["SPCCL_CACHE_DIR"] = cache_dir
     links.forget_measured()
     calls = []
     real = links.probe_links
     links.probe_links = lambda *a, **k: calls.append(1) or real(*a, **k)
     try:
+        yield calls
+    finally:
+        links.probe_links = real
+
+
+def _job_auto_measured(rank, world, cache_dir):
+    with _counting_probes(cache_dir) as calls:
         x = torch.zeros(world * 5000)
         x[rank::97] = 1.0
         for _ in range(3):
@@ -61,8 +71,6 @@ def _job_auto_measured(rank, world, cache_dir):
         stats = last_stats()
         other_group = dist.new_group()  # a new group measures its own links
         spccl_train.all_reduce(x.clone(), group=other_group)
-    finally:
-        links.probe_links = real
     from spccl_train.collectives.choice import NATIVE_MARGIN
 
     best = min(stats.candidates.values())
@@ -196,20 +204,13 @@ def test_ranks_sharing_a_device_split_its_codec_throughput(pools, tmp_path):
 
 
 def _job_measure_links(rank, world, cache_dir):
-    os.environ["SPCCL_CACHE_DIR"] = cache_dir
-    links.forget_measured()
-    calls = []
-    real = links.probe_links
-    links.probe_links = lambda *a, **k: calls.append(1) or real(*a, **k)
-    try:
+    with _counting_probes(cache_dir) as calls:
         config = CollectiveConfig(ranks_per_node=1)
         measured = spccl_train.collectives.measure_links(config=config)
         x = torch.zeros(world * 3000)
         x[rank::31] = 1.0
         spccl_train.all_reduce(x, config=config)  # reuses what measure_links probed
         given = spccl_train.collectives.measure_links(config=CollectiveConfig(cost_model="default"))
-    finally:
-        links.probe_links = real
     return len(calls), measured.links.inter is not None, measured.describe(), given.links, given.describe()
 
 
