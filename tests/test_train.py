@@ -464,3 +464,12 @@ def test_local_rendezvous_holds_its_port_for_the_whole_launch():
         assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and env["WORLD_SIZE"] == "2"
         with socket.socket() as s, pytest.raises(OSError):
             s.bind(("127.0.0.1", int(env["MASTER_PORT"])))
+
+
+def test_the_cost_model_is_a_config_key(monkeypatch):
+    monkeypatch.setattr(T.dist, "get_world_size", lambda group=None: 4)
+    assert T.collective_config(C.load_config(None), local_world=2).cost_model == "measured"  # the default
+    cfg = C.load_config(None, ["spccl.cost_model=default"])
+    assert T.collective_config(cfg, local_world=2).cost_model == "default"
+    with pytest.raises(C.ConfigError, match="cost_model"):
+        C.load_config(None, ["spccl.cost_model=guessed"])

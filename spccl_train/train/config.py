@@ -187,6 +187,10 @@ class SpcclConfig:
     """Wire format of the sparse all-reduce."""
     algorithm: str = dataclasses.field(default="auto", metadata=_choices("auto", "ring", "direct"))
     """Algorithm of the sparse all-reduce."""
+    cost_model: str = dataclasses.field(default="measured", metadata=_choices("measured", "default"))
+    """What ``auto`` weighs with (``CollectiveConfig.cost_model``): ``measured`` probes the links
+    and codecs at the start and corrects itself from observed call times; ``default`` uses the
+    fixed figures of ``CostModel.default`` (no probe)."""
     dense_iterations: int = dataclasses.field(default=1, metadata=_at_least(1))
     """First iterations reduced densely (DDP rebuilds its buckets after the first)."""
     warmup_steps: int = dataclasses.field(default=0, metadata=_at_least(0))

@@ -293,9 +293,9 @@ def _lr_at(cfg: ExperimentConfig, step: int) -> float:
 
 
 def collective_config(cfg: ExperimentConfig, local_world: int) -> CollectiveConfig:
-    """The sparse collectives' config of an experiment (both engines): format, algorithm, nodes
-    (``dist.ranks_per_node``, else this node's ranks; ``None`` when every rank shares a node) and
-    CUDA-graph replay. Needs the process group."""
+    """The sparse collectives' config of an experiment (both engines): format, algorithm, cost
+    model, nodes (``dist.ranks_per_node``, else this node's ranks; ``None`` when every rank shares
+    a node) and CUDA-graph replay. Needs the process group."""
     s = cfg.spccl
     ranks_per_node = cfg.dist.ranks_per_node or local_world
     return CollectiveConfig(
@@ -303,6 +303,7 @@ def collective_config(cfg: ExperimentConfig, local_world: int) -> CollectiveConf
         algorithm=s.algorithm,
         ranks_per_node=ranks_per_node if ranks_per_node < dist.get_world_size() else None,
         cuda_graphs=s.cuda_graphs,
+        cost_model=s.cost_model,
     )
 
 
@@ -486,9 +487,12 @@ def _links(cfg: ExperimentConfig, rank: int, world: int, local_world: int, devic
     call anyway; probing here keeps that out of the first timed iteration and shows the figures).
     Collective: every rank calls it."""
     s = cfg.spccl
-    if world < 2 or not (cfg.dist.emulate_nodes > 1 or (s.enabled and "auto" in (s.format, s.algorithm))):
+    weighs = s.enabled and s.cost_model == "measured" and "auto" in (s.format, s.algorithm)
+    if world < 2 or not (cfg.dist.emulate_nodes > 1 or weighs):
         return None
-    described = measure_links(config=collective_config(cfg, local_world), device=device).describe()
+    # Emulated nodes print what the network measured even where auto does not weigh with it.
+    config = dataclasses.replace(collective_config(cfg, local_world), cost_model="measured")
+    described = measure_links(config=config, device=device).describe()
     if rank == 0:
         print(f"links: {described}", flush=True)
     return described
