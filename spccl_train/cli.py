@@ -18,6 +18,8 @@ import os
 import pathlib
 import sys
 
+from .emulation import check_launch
+
 __all__ = ["main"]
 
 
@@ -108,6 +110,15 @@ def main(argv: list[str] | None = None) -> int:
             "the Megatron engine steps with Megatron's Adam: add optim.name=adamw",
             file=sys.stderr,
         )
+        return 2
+    emulation = check_launch(
+        cfg.dist.emulate_nodes,
+        int(os.environ.get("LOCAL_WORLD_SIZE") or cfg.dist.nproc_per_node),
+        int(os.environ.get("WORLD_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or cfg.dist.nproc_per_node),
+        cfg.dist.ranks_per_node,
+    )
+    if emulation is not None:
+        print(f"spccl-train: config error: {emulation}", file=sys.stderr)
         return 2
     try:
         if args.engine == "megatron":

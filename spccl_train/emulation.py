@@ -27,7 +27,7 @@ import os
 import socket
 from collections.abc import Mapping, MutableMapping
 
-__all__ = ["EmulatedNodes", "node_env", "emulate_nodes"]
+__all__ = ["EmulatedNodes", "check_launch", "node_env", "emulate_nodes"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,6 +101,33 @@ def emulate_nodes(nodes: int, environ: MutableMapping[str, str] | None = None) -
     placed, env = node_env(local_rank, local_world, nodes, environ)
     environ.update(env)
     return placed
+
+
+def check_launch(nodes: int, local_world: int, world: int, ranks_per_node: int = 0) -> str | None:
+    """What is wrong with emulating ``nodes`` nodes on a launch of ``local_world`` ranks on this
+    host and ``world`` in all (``ranks_per_node``: the config's, 0 for none), or ``None``.
+
+    For the launcher to say once, before any rank starts, what every rank would raise.
+    """
+    if nodes <= 1:
+        return None
+    if world != local_world:
+        return (
+            f"dist.emulate_nodes={nodes} emulates nodes on one host, but this launch spans hosts ({world} ranks, "
+            f"{local_world} on this one): the emulated nodes talk over loopback sockets and could not reach the other "
+            "hosts; leave dist.emulate_nodes at 0 on a real cluster"
+        )
+    if local_world % nodes:
+        return (
+            f"dist.emulate_nodes={nodes} does not split {local_world} ranks into equal nodes; pick a number of nodes "
+            f"that divides {local_world} (e.g. {', '.join(str(d) for d in _divisors(local_world))}) or change the rank count"
+        )
+    if ranks_per_node not in (0, local_world // nodes):
+        return (
+            f"dist.ranks_per_node={ranks_per_node} contradicts dist.emulate_nodes={nodes} ({local_world // nodes} ranks "
+            "per emulated node): leave dist.ranks_per_node at 0"
+        )
+    return None
 
 
 def _divisors(n: int) -> list[int]:

@@ -473,3 +473,21 @@ def test_the_cost_model_is_a_config_key(monkeypatch):
     assert T.collective_config(cfg, local_world=2).cost_model == "default"
     with pytest.raises(C.ConfigError, match="cost_model"):
         C.load_config(None, ["spccl.cost_model=guessed"])
+
+
+@pytest.mark.parametrize(
+    "overrides, env, message",
+    [
+        (["dist.emulate_nodes=3"], {}, "dist.emulate_nodes=3 does not split 2 ranks into equal nodes; pick a number"),
+        (["dist.emulate_nodes=2", "dist.ranks_per_node=2"], {}, "dist.ranks_per_node=2 contradicts"),
+        (["dist.emulate_nodes=2"], {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, "but this launch spans hosts"),
+    ],
+)
+def test_emulation_errors_are_said_once_before_any_rank_starts(overrides, env, message, monkeypatch, capsys):
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(T, "launch", lambda *a: pytest.fail("a rank was started"))
+    assert cli.main(overrides) == 2
+    assert message in capsys.readouterr().err

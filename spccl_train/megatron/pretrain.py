@@ -73,6 +73,7 @@ from ..train.trainer import (
     _device,
     _lr_at,
     _sync,
+    announce_links,
     apply_emulation,
     collective_config,
     finish_run,
@@ -526,6 +527,7 @@ def _train(cfg, config_name, rank, world, local_world, device, distopt) -> pathl
         model = DistributedDataParallel(config, ddp_config, module)
         dense = None if state is not None else _DenseReductions(model, device)
         optimizer, optimizer_name = _optimizer(cfg, model, device, bf16, distopt)
+        links = announce_links(cfg, rank, world, local_world, device)
         return _loop(
             cfg,
             config_name,
@@ -545,6 +547,7 @@ def _train(cfg, config_name, rank, world, local_world, device, distopt) -> pathl
                 "precision": precision,
                 "parameters": n_params,
                 "buckets": sum(len(g.buckets) for g in model.bucket_groups),
+                "links": links,
             },
         )
     finally:
@@ -605,7 +608,9 @@ def _loop(cfg, config_name, rank, world, device, data, model, optimizer, state, 
     if rank != 0:
         return None
 
-    return finish_run(cfg, config_name, log.run_dir, log.records, world, device, data, info, label="run (megatron)")
+    return finish_run(
+        cfg, config_name, log.run_dir, log.records, world, device, data, info, "run (megatron)", log.devices
+    )
 
 
 # ----------------------------------------------------------------------------- command line

@@ -21,9 +21,10 @@ BREAKDOWN: tuple[tuple[str, str, str], ...] = (
     ("optimizer", "optimizer", "gradient clipping, optimizer step, zero_grad"),
     ("other", "other", "rest of the wall time: end-of-iteration synchronisation, timer reads"),
 )
-"""The parts an iteration's wall time is split into, in order: ``(key, label, meaning)``. Each
-part is a span of one timeline (the host clock on CPU, CUDA events on the training stream on
-GPUs), so they add up to the iteration; ``iterations.csv`` holds ``<key>_s`` per iteration and
+"""The parts an iteration's wall time is split into, in order: ``(key, label, meaning)``. Every
+part but ``other`` is a span of one timeline (the host clock on CPU, CUDA events on the training
+stream on GPUs); ``other`` is the host's wall time less those spans, so the parts add up to the
+iteration; ``iterations.csv`` holds ``<key>_s`` per iteration and
 ``summary.json`` their means as ``breakdown_ms``."""
 
 BREAKDOWN_COLORS = {
