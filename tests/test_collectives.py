@@ -433,64 +433,6 @@ def test_auto_picks_by_predicted_time(pools):
             assert algorithm in ALGORITHMS and fmt in ("pici", "coo"), (collective, algorithm, fmt)
 
 
-def _fast_links_slow_exchange() -> CostModel:
-    """Links so fast and an exchange so slow that no sparsity can beat the native call."""
-    base = _slow_links()
-    fast = LinkCost(latency_s=1e-6, bandwidth=1e13)
-    return CostModel(
-        intra=fast,
-        inter=fast,
-        pici=base.pici,
-        coo=base.coo,
-        reduce=base.reduce,
-        copy=base.copy,
-        count=base.count,
-        exchange_s=1.0,
-    )
-
-
-def _job_native_without_exchange(rank, world, seed):
-    from spccl_train.collectives import api
-
-    exchanged = []
-    real = api.exchange_counts
-    api.exchange_counts = lambda *a, **k: exchanged.append(1) or real(*a, **k)
-    seen = []
-    try:
-        for collective in COLLECTIVES:
-            n = {"all_reduce": world * TILE + 1, "reduce_scatter": world * 3000, "all_gather": 3000}[collective]
-            xs = _inputs(_seed(seed, collective), world, n, torch.float32, 0.99, "random")
-            for name, cfg in (
-                ("settled", CollectiveConfig(cost_model=_fast_links_slow_exchange())),
-                ("dense", CollectiveConfig(format="dense")),
-                ("weighed", CollectiveConfig(cost_model=_slow_links())),
-                ("fixed", CollectiveConfig(format="pici", algorithm="ring", cost_model=_fast_links_slow_exchange())),
-            ):
-                before = len(exchanged)
-                for _ in range(2):  # the second call is decided from the memo
-                    _run_one(rank, world, collective, xs, cfg, f"{name} {collective}")
-                    stats = last_stats()
-                    seen.append((name, collective, stats.algorithm, stats.exchanges, len(exchanged) - before))
-                    before = len(exchanged)
-                    if name == "settled":
-                        assert stats.candidates and stats.predicted_s < stats.candidates["native/dense"]
-    finally:
-        api.exchange_counts = real
-    return seen
-
-
-def test_a_call_that_no_sparsity_could_speed_up_goes_native_without_an_exchange(pools):
-    """Native wins even with every count 0 (or the config asks for it): no count, no exchange;
-    a call some sparsity could speed up, or a fixed sparse format, exchanges as before."""
-    got = pools(3).run(_job_native_without_exchange, _seed("settled"))
-    assert got[0] == got[1] == got[2]
-    for name, collective, algorithm, exchanges, exchange_calls in got[0]:
-        if name in ("settled", "dense"):
-            assert (algorithm, exchanges, exchange_calls) == ("native", 0, 0), (name, collective)
-        else:
-            assert algorithm != "native" and exchanges >= 1 and exchange_calls == 1, (name, collective, algorithm)
-
-
 # ----------------------------------------------------------------------------- bad calls
 
 

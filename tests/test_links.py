@@ -18,7 +18,7 @@ import torch.distributed as dist
 from _pool import pool_factory
 
 import spccl_train
-from spccl_train.collectives import CollectiveConfig, Topology, api, feedback, last_stats, links
+from spccl_train.collectives import CollectiveConfig, Topology, feedback, last_stats, links
 from spccl_train.collectives.cost import CodecCost, CostModel
 from spccl_train.emulation import emulate_nodes, node_env
 from spccl_train.transport import P2PTransport
@@ -298,10 +298,6 @@ def _job_learns(rank, world, cache_dir, slow):
         return round(50 * took if pending.kind[1] == slow else took)
 
     feedback.Corrections.report = report
-    # Every call weighs its counts (this small tensor would otherwise settle on native without an
-    # exchange, and report only every RECHECK_EVERY calls: test_native_settled_calls_recheck).
-    settled = api._settled_native
-    api._settled_native = lambda *a, **k: None
     try:
         group = dist.new_group()  # corrections of its own
         config = CollectiveConfig(ranks_per_node=1)
@@ -314,7 +310,6 @@ def _job_learns(rank, world, cache_dir, slow):
         return chosen, dict(learned.factors), learned.version
     finally:
         feedback.Corrections.report = real
-        api._settled_native = settled
 
 
 def test_auto_leaves_a_candidate_that_runs_far_slower_than_predicted(pools, tmp_path):
@@ -327,31 +322,3 @@ def test_auto_leaves_a_candidate_that_runs_far_slower_than_predicted(pools, tmp_
     chosen, factors, version = got[0]
     assert chosen[0] == untaught and chosen[-1] != untaught, chosen
     assert version > 0 and any(name == untaught and f > 1 for (_, name, _), f in factors.items()), factors
-
-
-def _job_recheck(rank, world, cache_dir):
-    os.environ["SPCCL_CACHE_DIR"] = cache_dir
-    every, api.RECHECK_EVERY = api.RECHECK_EVERY, 4
-    try:
-        group = dist.new_group()
-        x = torch.zeros(world * 100)  # tiny: native at any sparsity on gloo
-        x[rank] = 1.0
-        seen = []
-        for _ in range(8):
-            y = x.clone()
-            spccl_train.all_reduce(y, group=group)
-            assert torch.equal(y[:world], torch.ones(world)) and not y[world:].any()
-            seen.append((last_stats().algorithm, last_stats().exchanges))
-        return seen
-    finally:
-        api.RECHECK_EVERY = every
-
-
-def test_native_settled_calls_recheck(pools, tmp_path):
-    """A call settled on native skips the exchange, but every RECHECK_EVERY-th one (per group and
-    kind) exchanges, so the measured model still observes native calls and weighs real counts."""
-    got = pools(2).run(_job_recheck, str(tmp_path))
-    assert got[0] == got[1]
-    assert [exchanges for _, exchanges in got[0]] == [0, 0, 0, 1, 0, 0, 0, 1], got[0]
-    # (a re-check weighs the real counts, and may pick a sparse candidate for them)
-    assert all(algorithm == "native" for algorithm, exchanges in got[0] if exchanges == 0)

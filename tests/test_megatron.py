@@ -206,9 +206,7 @@ def _job_capacity(rank, world, distopt, factor, steps):
         ensure_model_parallel()
         model = _wrapped(overlap=False, distopt=distopt, embed_dtype=torch.bfloat16)
         pruning = {"density": density, "sample_fraction": 0.2, "decay": decay}
-        # A fixed sparse format: with "auto" these small buckets settle on the native collective
-        # on gloo, which needs no exchange in any step (test_collectives covers that).
-        state = spccl_megatron.enable(pruning=pruning, collective={"format": "pici"}, capacity_factor=factor)
+        state = spccl_megatron.enable(pruning=pruning, capacity_factor=factor)
         exchanges = []
         try:
             for step in range(steps):

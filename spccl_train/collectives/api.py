@@ -30,7 +30,7 @@ from ..transport.dense import all_gather_flat, reduce_scatter_flat
 from ._direct import direct_all_gather, direct_all_reduce, direct_reduce_scatter
 from ._ring import ring_all_gather, ring_reduce_scatter
 from ._wire import StatusSink
-from .choice import choose, decide, plan_candidate
+from .choice import decide, plan_candidate
 from .chunking import ChunkLayout, count_nonzero_pieces
 from .config import CollectiveConfig
 from .cost import CostModel
@@ -334,8 +334,6 @@ def _call(
             graphed and bounds is None and not (collective == "all_reduce" and config.gather_counts == "measured")
         )
         fingerprint = config.fingerprint() if graphed else ""
-        if exchanged and _settles_native(collective, transport, config, fingerprint, input, output):
-            graphed = exchanged = False  # the eager call goes native without an exchange
         if exchanged:  # plan from the exchanged counts, rounded up so that calls repeat and replay
             bounds = _measured_bounds(
                 collective, transport, config, fingerprint, input, output, planner, planning_stream, graph_tag
@@ -553,10 +551,6 @@ def _run(
 
     x = inp.view(-1) if not problems else inp
     corrections = _corrections(config, transport)
-    if bounds is None and layout is not None:
-        settled = _settled_native(collective, config, fingerprint, transport, layout, inp, corrections)
-        if settled is not None:  # native whatever the counts: no count, no exchange, no synchronisation
-            return _run_native(collective, transport, layout, x, out.view(-1), timer, corrections, settled)
     if bounds is not None:  # planned from the caller's bounds: no count, no exchange, no synchronisation
         check_local(request, p, transport.backend)
         table = check_bounds(bounds, layout, collective)
@@ -658,119 +652,6 @@ def _run(
             weighed,
             plan.describe() if plan else "native",
         )
-    return stats, event
-
-
-_MAX_SETTLED = 1024
-_settled: dict[tuple, tuple[float, dict[str, float]] | None] = {}
-RECHECK_EVERY = 64
-"""Under the measured model, every this many calls of one kind that settled on native without an
-exchange, one exchanges after all: it reports the native calls' observed time, so that the model
-can correct a native prediction that was too fast (:mod:`.feedback`), and weighs the real counts."""
-
-
-def _settled_native(
-    collective: str,
-    config: CollectiveConfig,
-    fingerprint: str,
-    transport: P2PTransport,
-    layout: ChunkLayout,
-    inp: torch.Tensor,
-    corrections: Corrections | None,
-    count: bool = True,
-) -> tuple[tuple[float, dict[str, float]], float] | None:
-    """``((native's uncorrected predicted seconds without an exchange, the candidates as
-    weighed), native's correction factor)`` when the call goes native whatever its counts, else
-    ``None``.
-
-    ``format="dense", algorithm="auto"`` is the native call. With ``format="auto"``, the call is
-    weighed as if every count were 0: a sparse candidate's predicted time only grows with its
-    nonzeros (more bytes, never fewer messages), so when native still wins there, no sparsity
-    could make a sparse candidate win, and the exchange that would count the nonzeros is only a
-    cost. Decided from what the call's sizes, dtype, world, config and (measured) model are, which
-    every rank of a valid call holds alike; memoised, so a repeated call costs a dictionary lookup.
-    Under the measured model every :data:`RECHECK_EVERY`-th such call exchanges anyway (``count``:
-    whether this look counts as a call; a look ahead does not).
-    A call whose ranks disagree on these (which the exchange would have caught) is not caught here:
-    ranks that settle on native and ranks that exchange then wait for each other, as mismatched
-    ``torch.distributed`` calls do.
-    """
-    native_only = config.format == "dense" and config.algorithm == "auto"
-    if config.format != "auto" and not native_only:
-        return None
-    p = transport.world
-    topology = Topology(p, _ranks_per_node(config, transport))
-    model, tag = _model(config, transport, topology, inp.device)
-    factors = corrections.factors_for(collective, layout.numel * inp.element_size()) if corrections else {}
-    key = (collective, fingerprint, tag, layout.numel, inp.dtype, p, layout.channels, tuple(sorted(factors.items())))
-    if key not in _settled:
-        if len(_settled) >= _MAX_SETTLED:
-            _settled.clear()  # a pure memo
-        zeros = [[0] * (p * layout.channels) for _ in range(p)]
-        best, weighed = choose(collective, config, zeros, layout, inp.dtype, topology, model, 1, factors)
-        native = model.predict_native(collective, layout.numel, inp.dtype, topology, 0)
-        _settled[key] = (native, weighed) if best.algorithm == "native" else None
-    found = _settled[key]
-    if found is None:
-        return None
-    if corrections is not None and count:  # counted per group, so every rank of it re-checks the same call
-        calls = corrections.settled_calls[key] = corrections.settled_calls.get(key, 0) + 1
-        if calls % RECHECK_EVERY == 0:
-            return None
-    return found, factors.get("native/dense", 1.0)
-
-
-def _settles_native(
-    collective: str,
-    transport: P2PTransport,
-    config: CollectiveConfig,
-    fingerprint: str,
-    inp: torch.Tensor,
-    out: torch.Tensor,
-) -> bool:
-    """Whether an eager call of these arguments would go native without an exchange."""
-    _, _, _, layout = _request(collective, transport, config, fingerprint, inp, out)
-    corrections = _corrections(config, transport)
-    return (
-        layout is not None
-        and _settled_native(collective, config, fingerprint, transport, layout, inp, corrections, count=False)
-        is not None
-    )
-
-
-def _run_native(
-    collective: str,
-    transport: P2PTransport,
-    layout: ChunkLayout,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    timer: Span,
-    corrections: Corrections | None,
-    settled: tuple[tuple[float, dict[str, float]], float],
-) -> tuple[CollectiveStats, torch.cuda.Event | None]:
-    """The native collective, settled without an exchange (:func:`_settled_native`)."""
-    (uncorrected, weighed), factor = settled
-    _native(collective, transport, x, y)
-    dense = (transport.world - 1) * (layout.numel // transport.world) * x.element_size()
-    dense *= 2 if collective == "all_reduce" else 1
-    event = timer.stop()
-    if corrections is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        corrections.called(collective, "native/dense", layout.numel * x.element_size(), uncorrected, timer)
-    stats = CollectiveStats(
-        collective=collective,
-        algorithm="native",
-        format=Format.DENSE,
-        plan=None,
-        predicted_s=uncorrected * factor,
-        candidates=weighed,
-        exchanges=0,
-        gather_counts="",
-        bytes_sent=dense,
-        dense_bytes=dense,
-        graph="",
-        _statuses=None,
-        _timer=timer,
-    )
     return stats, event
 
 

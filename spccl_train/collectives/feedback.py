@@ -70,7 +70,7 @@ class Corrections:
     under which decisions are memoised, so a corrected model is weighed afresh.
     """
 
-    __slots__ = ("factors", "seen", "settled_calls", "version", "_pending")
+    __slots__ = ("factors", "seen", "version", "_pending")
 
     def __init__(self) -> None:
         self.factors: dict[tuple[str, str, int], float] = {}
@@ -78,8 +78,6 @@ class Corrections:
         self.seen: dict[tuple[str, str, int], int] = {}
         """Observations by kind, the first (left out) included."""
         self.version = 0
-        self.settled_calls: dict[tuple, int] = {}
-        """Calls settled on native without an exchange, by the call's key (``api.RECHECK_EVERY``)."""
         self._pending: _Pending | None = None
 
     def factors_for(self, collective: str, nbytes: int) -> dict[str, float]:

@@ -220,9 +220,9 @@ class SpcclMegatronState:
             work = reduce_scatter_tensor(
                 shard, tensor, group=group, async_op=True, config=cfg, bounds=bounds, graph_tag=tag
             )
+        if capped is not None:
+            state.validated = (tensor.numel(), collective)  # every rank's bucket agreed in the exchange
         stats = work.stats
-        if capped is not None and stats.exchanges:  # every rank's bucket agreed in the exchange
-            state.validated = (tensor.numel(), collective)
         self._exchanges += stats.exchanges
         self._sparse_reductions += 1
         self._elements += tensor.numel()
