@@ -260,6 +260,38 @@ def test_decide_rounds_the_table_and_agrees_with_choose_on_it():
     assert decide("all_reduce", cfg, "k", nearby, layout, F32, Topology(4), model)[0] is first
 
 
+def _round_one(x: int, n: int) -> int:
+    """The rounding :func:`quantize_counts` documents, one count at a time."""
+    if x <= 0 or x >= n:
+        return x
+    j = round(-math.log2(x / n) * 16)
+    return min(n - 1, max(1, round(n * 2.0 ** (-j / 16))))
+
+
+@settings(deadline=None, max_examples=80)
+@given(
+    collective=st.sampled_from(["all_gather", "reduce_scatter", "all_reduce"]),
+    world=st.integers(1, 9),
+    channels=st.integers(1, 3),
+    per_rank=st.integers(1, 300_000),
+    data=st.data(),
+)
+def test_quantize_counts_rounds_each_count_as_documented(collective, world, channels, per_rank, data):
+    """The vectorised rounding equals the one-count formula on random tables (empty, full, tiny,
+    near-full and arbitrary counts)."""
+    layout = ChunkLayout.of(collective, per_rank * world, world, channels)
+    every = [span.numel for chunk in layout.pieces for span in chunk]
+    table = []
+    for q in range(world):
+        sizes = [span.numel for span in layout.pieces[q]] if collective == "all_gather" else every
+        row = [data.draw(st.sampled_from([0, n, min(n, 3), max(0, n - 2)]) | st.integers(0, max(n, 0))) for n in sizes]
+        table.append(row + [0] * (world * channels - len(row)))
+    got = quantize_counts(table, layout, collective)
+    for q, row in enumerate(table):
+        sizes = [span.numel for span in layout.pieces[q]] if collective == "all_gather" else every
+        assert got[q] == [_round_one(x, n) for x, n in zip(row, sizes)], (q, row)
+
+
 @settings(deadline=None, max_examples=60)
 @given(
     collective=st.sampled_from(["all_gather", "reduce_scatter", "all_reduce"]),
@@ -378,7 +410,10 @@ def test_collective_bandwidth_prices_direct_and_native_but_not_ring():
     _, fast = _choose("all_gather", cfg, layout, table, _model(inter=grouped), rpn=1)
     assert fast["ring/pici"] == base["ring/pici"]
     assert fast["direct/pici"] < base["direct/pici"]
-    native = [m.predict_native("all_gather", layout.numel, F32, Topology(4, 1)) for m in (_model(inter=plain), _model(inter=grouped))]
+    native = [
+        m.predict_native("all_gather", layout.numel, F32, Topology(4, 1))
+        for m in (_model(inter=plain), _model(inter=grouped))
+    ]
     assert native[1] < native[0]
     with pytest.raises(ValueError, match="collective_bandwidth=0"):
         LinkCost(latency_s=0.0, bandwidth=1.0, collective_bandwidth=0)

@@ -20,9 +20,11 @@ plans the chosen candidate from its exact counts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from ..formats import Format
@@ -163,26 +165,43 @@ def quantize_counts(counts: Sequence[Sequence[int]], layout: ChunkLayout, collec
     """``counts`` with every density rounded to 1/16 of an octave (empty and full pieces kept exact).
 
     A count ``0 < x < n`` of a piece of ``n`` elements becomes ``round(n * 2**(-j/16))`` for the
-    nearest ``j``, clamped to ``[1, n - 1]``. For an all-gather only each row's first
-    ``channels`` counts (rank ``q``'s pieces of chunk ``q``) are kept.
+    nearest ``j`` (``j = round(-16 log2(x / n))``), clamped to ``[1, n - 1]``. For an all-gather
+    only each row's first ``channels`` counts (rank ``q``'s pieces of chunk ``q``) are kept.
     """
-    ch = layout.channels
-    every = [span.numel for chunk in layout.pieces for span in chunk]
-    out = []
-    for q, row in enumerate(counts):
-        if collective == "all_gather":
-            sizes, row = [span.numel for span in layout.pieces[q]], row[:ch]
-        else:
-            sizes = every
-        out.append([_round_count(x, n) for x, n in zip(row, sizes)])
+    return _quantized(counts, layout, collective).tolist()
+
+
+def _quantized(counts: Sequence[Sequence[int]], layout: ChunkLayout, collective: str) -> np.ndarray:
+    """:func:`quantize_counts` as an int64 array, vectorised: per distinct piece size, the level
+    of each count is found by integer-exact comparisons with that size's precomputed boundaries,
+    so the work is a few array passes over the table, not a Python call per count."""
+    table = np.asarray(counts, dtype=np.int64)
+    if collective == "all_gather":
+        table = table[:, : layout.channels]
+        sizes = np.array([[span.numel for span in layout.pieces[q]] for q in range(len(table))], dtype=np.int64)
+    else:
+        every = np.array([span.numel for chunk in layout.pieces for span in chunk], dtype=np.int64)
+        sizes = np.broadcast_to(every, table.shape)
+    out = table.copy()
+    inner = (table > 0) & (table < sizes)
+    for n in np.unique(sizes[inner]).tolist():
+        where = inner & (sizes == n)
+        ascending, levels = _levels(n)
+        # j = how many boundaries b_k (decreasing in k) are >= x: the nearest level's index
+        j = len(ascending) - np.searchsorted(ascending, table[where], side="left")
+        out[where] = levels[j]
     return out
 
 
-def _round_count(x: int, n: int) -> int:
-    if x <= 0 or x >= n:
-        return x
-    j = round(-math.log2(x / n) * DENSITY_STEPS_PER_OCTAVE)
-    return min(n - 1, max(1, round(n * 2.0 ** (-j / DENSITY_STEPS_PER_OCTAVE))))
+@functools.lru_cache(maxsize=64)
+def _levels(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """For pieces of ``n`` elements: the boundaries ``n 2**(-(k + 1/2)/16)`` between levels ``k``
+    and ``k + 1``, ascending, and each level's count ``round(n 2**(-j/16))`` clamped to [1, n - 1]."""
+    steps = DENSITY_STEPS_PER_OCTAVE
+    top = math.ceil(steps * math.log2(n)) + 2  # levels 0..top cover counts down to 1
+    bounds = np.array([n * 2.0 ** (-(k + 0.5) / steps) for k in range(top)])
+    levels = np.array([min(n - 1, max(1, round(n * 2.0 ** (-j / steps)))) for j in range(top + 1)], dtype=np.int64)
+    return bounds[::-1].copy(), levels
 
 
 def decide(
@@ -203,7 +222,7 @@ def decide(
     (the device type, for the default model). Equal on every rank for equal tables, whatever
     each rank's memo holds.
     """
-    rounded = quantize_counts(counts, layout, collective)
+    rounded = _quantized(counts, layout, collective)
     corrected = tuple(sorted(factors.items())) if factors else ()
     key = (
         collective,
@@ -214,13 +233,15 @@ def decide(
         layout.world,
         layout.channels,
         corrected,
-        *map(tuple, rounded),
+        rounded.shape,
+        rounded.tobytes(),
     )
     hit = _decisions.get(key)
     if hit is None:
         if len(_decisions) >= _MAX_DECISIONS:
             _decisions.clear()  # a pure memo: forgetting only costs a recomputation
-        best, weighed = choose(collective, config, rounded, layout, dtype, topology, model, exchanges, factors)
+        table = rounded.tolist()
+        best, weighed = choose(collective, config, table, layout, dtype, topology, model, exchanges, factors)
         hit = _decisions[key] = (dataclasses.replace(best, plan=None), weighed)
     return hit
 
