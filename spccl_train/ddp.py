@@ -268,6 +268,13 @@ class SparseHookState:
         """
         return sum(1 for stats in self._allreduce_spans if stats.decode_status is not None and int(stats.decode_status))
 
+    def in_line(self, on_cuda: bool) -> bool:
+        """Whether :func:`sparse_allreduce_hook` prunes and reduces a bucket on the calling
+        thread and stream, so that the backward pass waits for it: ``overlap`` ``False``, or
+        ``"stream"`` on CPU (no side stream there); not on a side stream or background thread."""
+        overlap = self.overlap if self.overlap is not None else on_cuda
+        return not overlap or (overlap == "stream" and not on_cuda)
+
     def bounded(self, index: int, numel: int) -> bool:
         """True when bucket ``index`` of ``numel`` elements is all-reduced from bounds (no host synchronisation)."""
         return self.capacity_factor is not None and (index, numel) in self._validated
@@ -437,10 +444,9 @@ def sparse_allreduce_hook(state: SparseHookState, bucket: dist.GradBucket) -> to
         future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
         return future.then(lambda fut: fut.value()[0].div_(world))
     index = bucket.index()
-    overlap = state.overlap if state.overlap is not None else buffer.is_cuda
-    if overlap == "stream" and buffer.is_cuda:
+    if state.overlap == "stream" and buffer.is_cuda:
         return _reduce_on_side_stream(state, buffer, index, iteration, group, world)
-    if not overlap or overlap == "stream":
+    if state.in_line(buffer.is_cuda):
         future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
         future.set_result(_reduce_sparse(state, buffer, index, iteration, group, world))
         return future

@@ -281,15 +281,16 @@ def test_quantize_counts_rounds_each_count_as_documented(collective, world, chan
     near-full and arbitrary counts)."""
     layout = ChunkLayout.of(collective, per_rank * world, world, channels)
     every = [span.numel for chunk in layout.pieces for span in chunk]
+    sizes = [[span.numel for span in layout.pieces[q]] if collective == "all_gather" else every for q in range(world)]
     table = []
     for q in range(world):
-        sizes = [span.numel for span in layout.pieces[q]] if collective == "all_gather" else every
-        row = [data.draw(st.sampled_from([0, n, min(n, 3), max(0, n - 2)]) | st.integers(0, max(n, 0))) for n in sizes]
+        row = [
+            data.draw(st.sampled_from([0, n, min(n, 3), max(0, n - 2)]) | st.integers(0, max(n, 0))) for n in sizes[q]
+        ]
         table.append(row + [0] * (world * channels - len(row)))
     got = quantize_counts(table, layout, collective)
     for q, row in enumerate(table):
-        sizes = [span.numel for span in layout.pieces[q]] if collective == "all_gather" else every
-        assert got[q] == [_round_one(x, n) for x, n in zip(row, sizes)], (q, row)
+        assert got[q] == [_round_one(x, n) for x, n in zip(row, sizes[q])], (q, row)
 
 
 @settings(deadline=None, max_examples=60)

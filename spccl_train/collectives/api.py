@@ -396,22 +396,21 @@ def _ranks_per_node(config: CollectiveConfig, transport: P2PTransport) -> int | 
     return None
 
 
-def _model(
-    config: CollectiveConfig, transport: P2PTransport, topology: Topology, device: torch.device
-) -> tuple[CostModel, str]:
-    """The cost model of this call and a tag that names it in memoised decisions."""
+def _model(config: CollectiveConfig, transport: P2PTransport, topology: Topology, device: torch.device) -> Measured:
+    """The cost model of this call, with the tag that names it in memoised decisions (and, for
+    the measured model, the probe's figures)."""
     if isinstance(config.cost_model, CostModel):
-        return config.cost_model, "given"
+        return Measured(model=config.cost_model, tag="given", links=None)
     if config.cost_model == "measured" and transport.world > 1:
-        measured = measured_model(transport, topology, transport.exchange_device(device))
-        return measured.model, measured.tag
-    model = _default_models.get(device.type)
-    if model is None:
-        model = _default_models[device.type] = CostModel.default(device)
-    return model, f"default:{device.type}"
+        return measured_model(transport, topology, transport.exchange_device(device))
+    found = _default_models.get(device.type)
+    if found is None:
+        model = CostModel.default(device)
+        found = _default_models[device.type] = Measured(model=model, tag=f"default:{device.type}", links=None)
+    return found
 
 
-_default_models: dict[str, CostModel] = {}
+_default_models: dict[str, Measured] = {}
 
 _corrections_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -453,11 +452,7 @@ def measure_links(
         device = (
             torch.device("cuda", torch.cuda.current_device()) if transport.backend == "nccl" else torch.device("cpu")
         )
-    topology = Topology(transport.world, _ranks_per_node(config, transport))
-    if config.cost_model == "measured" and transport.world > 1:
-        return measured_model(transport, topology, transport.exchange_device(device))
-    model, tag = _model(config, transport, topology, device)
-    return Measured(model=model, tag=tag, links=None)
+    return _model(config, transport, Topology(transport.world, _ranks_per_node(config, transport)), device)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -567,8 +562,8 @@ def _run(
         )
     # From here on every rank holds the same valid table and computes the same decisions.
     topology = Topology(p, _ranks_per_node(config, transport))
-    model, tag = _model(config, transport, topology, inp.device)
-    key = f"{fingerprint}|{tag}"
+    measured = _model(config, transport, topology, inp.device)
+    model, key = measured.model, f"{fingerprint}|{measured.tag}"
     if bounds is not None and _graphable(config, inp, out, transport):  # replayed: no host cost per launch
         model, key = model.replayed(), f"{key}|replayed"
     nbytes = layout.numel * inp.element_size()

@@ -65,6 +65,7 @@ HEADER_FIELDS = (
 )
 """The header of a row, in order; the counts follow. ``observed`` is not part of the call: the
 nanoseconds the rank's previous call on the group took, or -1 (:mod:`.feedback`)."""
+_OBSERVED = HEADER_FIELDS.index("observed")
 
 _DTYPES = (
     torch.float32,
@@ -181,8 +182,7 @@ def exchange_counts(
         row[len(HEADER_FIELDS) : len(HEADER_FIELDS) + counts.numel()].copy_(counts, non_blocking=True)
     table = transport.all_gather_rows(row).tolist()  # the collective's one host synchronisation
     check_table(table, request.collective, transport.world, transport.backend)
-    seen = HEADER_FIELDS.index("observed")
-    return [r[len(HEADER_FIELDS) :] for r in table], device, [r[seen] for r in table]
+    return [r[len(HEADER_FIELDS) :] for r in table], device, [r[_OBSERVED] for r in table]
 
 
 def exchange_reduced_counts(transport: P2PTransport, counts: torch.Tensor, device: torch.device) -> list[list[int]]:

@@ -66,8 +66,9 @@ class Corrections:
     """One group's correction factors, and this rank's last call on the group, not yet reported.
 
     Every rank of the group holds an equal copy: it changes only in :meth:`learn`, from the
-    exchanged row of times. ``version`` counts the changes; the caller makes it part of the key
-    under which decisions are memoised, so a corrected model is weighed afresh.
+    exchanged row of times. ``version`` counts the changes (for logs and tests); decisions are
+    memoised under the factors themselves (:func:`~.choice.decide`), so a corrected model is
+    weighed afresh.
     """
 
     __slots__ = ("factors", "seen", "version", "_pending")

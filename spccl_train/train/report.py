@@ -6,7 +6,15 @@ import csv
 import json
 import pathlib
 
-__all__ = ["BREAKDOWN", "BREAKDOWN_COLORS", "default_report_path", "load_run", "plot_runs", "report_table"]
+__all__ = [
+    "BREAKDOWN",
+    "BREAKDOWN_COLORS",
+    "default_report_path",
+    "device_line",
+    "load_run",
+    "plot_runs",
+    "report_table",
+]
 
 BREAKDOWN: tuple[tuple[str, str, str], ...] = (
     ("data", "data", "batch sampled and copied to the device"),
@@ -73,8 +81,9 @@ def _label(summary: dict, run_dir: pathlib.Path) -> str:
     return f"{summary['mode']} ({run_dir.name})"
 
 
-def _devices(summary: dict) -> str:
-    # Runs written before the device line existed: "world x device".
+def device_line(summary: dict) -> str:
+    """What a run ran on (``2 ranks on 1 x NVIDIA H200``); runs written before the device line
+    existed say ``world x device``."""
     return summary.get("device_line") or f"{summary['world_size']} x {summary['device']}"
 
 
@@ -145,7 +154,7 @@ def plot_runs(run_dirs: list[str | pathlib.Path], out: str | pathlib.Path) -> pa
     curves.set_ylabel("training loss")
     curves.set_title("Loss")
     curves.legend(fontsize=8)
-    fig.suptitle(", ".join(sorted({f"{s['config_name']} on {_devices(s)}" for _, s, _ in runs})))
+    fig.suptitle(", ".join(sorted({f"{s['config_name']} on {device_line(s)}" for _, s, _ in runs})))
     fig.tight_layout()
     out = pathlib.Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

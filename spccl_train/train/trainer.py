@@ -37,7 +37,7 @@ from ..optim import BurstAdamW
 from .config import ExperimentConfig, from_dict, to_dict
 from .data import prepare_tokens
 from .model import build_model, count_parameters
-from .report import BREAKDOWN
+from .report import BREAKDOWN, device_line
 
 __all__ = [
     "BREAKDOWN",
@@ -323,7 +323,6 @@ def _hook(
         timed = TimedHook(state, spccl_ddp.dense_allreduce_hook, timeline)
         model.register_comm_hook(timed, timed_hook)
         return state, timed, False
-    overlap = {"auto": None, "on": True, "off": False, "stream": "stream"}[s.overlap]
     state = spccl_ddp.SparseHookState(
         density=s.density,
         sample_fraction=s.sample_fraction,
@@ -334,20 +333,15 @@ def _hook(
         dense_iterations=s.dense_iterations,
         warmup_steps=s.warmup_steps,
         seed=cfg.train.seed,
-        overlap=overlap,
+        overlap={"auto": None, "on": True, "off": False, "stream": "stream"}[s.overlap],
         capacity_factor=s.capacity_factor or None,
     )
     timed = TimedHook(state, spccl_ddp.sparse_allreduce_hook, timeline)
     model.register_comm_hook(timed, timed_hook)
-    # The hook's own dispatch (spccl_train.ddp.sparse_allreduce_hook): on CPU every mode but a
-    # background thread runs in line; on CUDA "stream" and the thread prune on a side stream.
     # Known limit: with "stream" on CUDA and no capacity_factor, the hook's planning exchange
     # waits on the host for the side stream's pruning, which the breakdown then counts as
     # communication (bounded buckets, as the shipped GPU configs use, make no exchange).
-    on_cuda = next(model.parameters()).is_cuda
-    resolved = overlap if overlap is not None else on_cuda
-    inline = s.prune and (resolved is False or (resolved == "stream" and not on_cuda))
-    return state, timed, inline
+    return state, timed, s.prune and state.in_line(next(model.parameters()).is_cuda)
 
 
 def _run_name(cfg: ExperimentConfig, config_name: str, engine: str = "") -> str:
@@ -689,11 +683,9 @@ def _write_run(run_dir: pathlib.Path, records: list[IterationRecord], summary: d
 def format_summary(summary: dict, run_dir: pathlib.Path) -> str:
     """The readable end-of-run summary: the iteration's parts (they add up to it) and what each means."""
     s = summary
-    # Runs written before the device line existed say "world x device".
-    devices = s.get("device_line") or f"{s['world_size']} x {s['device']}"
     lines = [
         f"run: {run_dir}",
-        f"  {s['mode']} | {devices} ({s['backend']}, {s['precision']}) | "
+        f"  {s['mode']} | {device_line(s)} ({s['backend']}, {s['precision']}) | "
         f"{s['parameters'] / 1e6:.1f}M parameters | commit {s['commit']}",
         f"  iterations {s['iterations']} (summary over the last {s['summarised_iterations']}, "
         f"{s['warmup_iterations']} warm-up left out)",
