@@ -244,7 +244,8 @@ def test_a_far_miss_moves_the_factor_halfway_and_a_near_one_does_not():
 
     rng = random.Random()
     predicted = rng.uniform(1e-3, 1.0)
-    error = rng.choice([rng.uniform(1.3, 12.0), 1 / rng.uniform(1.3, 12.0)])  # a steady miss, either way
+    # A steady miss, either way, far enough (> FAR**2) that the first correction leaves it far too.
+    error = rng.choice([rng.uniform(1.6, 12.0), 1 / rng.uniform(1.6, 12.0)])
     c = feedback.Corrections()
     nbytes = rng.choice([64, 256, 1024]) << 20
 
