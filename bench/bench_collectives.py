@@ -32,7 +32,9 @@ disjoint 1/world share of the positions when sparsity < 1 - 1/world, so its spar
 a distinct seed per rank. ``input_sparsity`` and ``output_sparsity`` record what was drawn and
 what the dense result holds.
 
-Timing: per point one verification call, ``--warmup`` untimed calls, then ``--iters`` timed
+Timing: per point one verification call, ``--warmup`` untimed calls (``auto`` methods with
+``--settle N``: up to N more, until two calls in a row run the same candidate; the CSV's
+``settle`` says how many), then ``--iters`` timed
 calls (``--iters-large`` at >= 256 MiB), each after an untimed copy of the pristine input (an
 all-reduce works in place), a device sync and a barrier, and timed on the host up to a device
 sync (the calls synchronise the host once or twice themselves, so host time is what a caller
@@ -165,6 +167,9 @@ class _Settings:
     channels: list[int]
     scales: list[float]
     warmup: int
+    settle: int
+    """``auto`` methods: more untimed calls, at most this many, until two calls in a row run the
+    same candidate (the measured model settles on a choice, as a training run's repeated buckets let it)."""
     iters: int
     iters_large: int
     point_budget_s: float
@@ -264,6 +269,8 @@ class _Row:
     """``auto/auto`` rows: their time over the best fixed candidate's (``nccl`` or a pici / coo
     method with ring or direct) at the same point; 1.0 is as good as the best."""
     warmup: int = 0
+    settle: int = 0
+    """Untimed calls ``--settle`` gave ``auto`` before timing (0 for fixed methods)."""
     iters: int = 0
     peak_mem_gib: float = 0.0
     verified: bool = False
@@ -372,6 +379,13 @@ def _settings(argv: list[str] | None) -> _Settings:
         "auto methods keep the defaults",
     )
     parser.add_argument("--warmup", type=int, help="untimed calls after the verification call (default 2; smoke 0)")
+    parser.add_argument(
+        "--settle",
+        type=int,
+        default=0,
+        help="auto methods: up to this many more untimed calls, until two in a row run the same candidate "
+        "(the calls auto spent are in the CSV's settle column and its choices in chosen; default 0)",
+    )
     parser.add_argument("--iters", type=int, help="timed calls below 256 MiB, median taken (default 10; smoke 2)")
     parser.add_argument("--iters-large", type=int, help="timed calls at >= 256 MiB (default 5)")
     parser.add_argument(
@@ -440,6 +454,7 @@ def _settings(argv: list[str] | None) -> _Settings:
         channels=args.channels,
         scales=args.thresholds_sweep,
         warmup=args.warmup if args.warmup is not None else (0 if smoke else 2),
+        settle=args.settle,
         iters=iters,
         iters_large=args.iters_large or (iters if smoke else 5),
         point_budget_s=args.point_budget_s,
@@ -850,6 +865,18 @@ def _measure(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _R
         for _ in range(more):
             _timed_call(method, case, env)
         warmup += more
+        if stats is not None and "auto" in (method.fmt, method.algorithm):
+            # Every rank decides alike, so every rank leaves this loop at the same call.
+            last = ""
+            while row.settle < settings.settle:
+                _, stats, _ = _timed_call(method, case, env)
+                row.settle += 1
+                now = f"{stats.algorithm}/{stats.format.value}"
+                if not row.chosen.endswith(now):
+                    row.chosen = f"{row.chosen}>{now}"
+                if now == last:
+                    break
+                last = now
         for _ in range(iters):
             seconds, stats, _ = _timed_call(method, case, env)
             times.append(seconds)
@@ -956,7 +983,7 @@ _FIELDS = [
     "algorithm", "channels", "threshold_scale", "thresholds", "dtype", "pattern", "size_bytes", "sparsity",
     "input_sparsity", "output_sparsity", "time_ms", "time_min_ms", "time_max_ms", "algbw_GBps", "busbw_GBps",
     "bytes_sent", "dense_bytes", "bytes_ratio", "chosen", "message_formats", "speedup_vs_nccl", "speedup_vs_naive",
-    "predicted_ms", "auto_vs_best", "warmup", "iters", "peak_mem_GiB", "verified", "error",
+    "predicted_ms", "auto_vs_best", "warmup", "settle", "iters", "peak_mem_GiB", "verified", "error",
 ]  # fmt: skip
 
 
@@ -1003,6 +1030,7 @@ def _write_csv(rows: list[_Row], path: pathlib.Path, meta: dict[str, object]) ->
                     "auto_vs_best": opt(r.auto_vs_best, 4),
                     "predicted_ms": opt(r.predicted_ms, 6),
                     "warmup": r.warmup,
+                    "settle": r.settle,
                     "iters": r.iters,
                     "peak_mem_GiB": f"{r.peak_mem_gib:.3f}",
                     "verified": r.verified,
@@ -1168,7 +1196,6 @@ def _summary(rows: list[_Row], world: int) -> None:
     )
 
 
-
 _FIXED = ("nccl", "pici/ring", "pici/direct", "coo/ring", "coo/direct")
 _AUTO_WITHIN = 1.10  # auto within 10% of the best fixed candidate (the links issue)
 
@@ -1200,6 +1227,7 @@ def _auto_summary(rows: list[_Row]) -> None:
         f"{'PASS' if not over else 'FAIL'} ({len(rated) - len(over)} of {len(rated)}; worst {worst.auto_vs_best:.2f}x at "
         f"{worst.collective} {benchlib.size_label(worst.size_bytes)} {worst.sparsity:g}%, chose {worst.chosen or '-'})"
     )
+
 
 # ---------------------------------------------------------------------------------------
 

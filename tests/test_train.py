@@ -250,10 +250,14 @@ def test_emulated_nodes_put_each_rank_on_a_node_and_measure_the_links(tmp_path, 
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     monkeypatch.setenv("SPCCL_CACHE_DIR", str(tmp_path / "cache"))
-    run = launch(_tiny(tmp_path, "emulated", "dist.emulate_nodes=2", "output.plot=false"), "tiny_cpu")
+    run = launch(
+        _tiny(tmp_path, "emulated", "dist.emulate_nodes=2", "output.plot=false", "spccl.capacity_factor=4"), "tiny_cpu"
+    )
     summary = json.loads((run / "summary.json").read_text())
     assert "inter-node" in summary["links"] and "intra-node" not in summary["links"], summary["links"]
-    assert f"links: {summary['links']}" in capfd.readouterr().out  # printed by rank 0
+    out = capfd.readouterr().out
+    assert f"links: {summary['links']}" in out  # printed by rank 0
+    assert out.count("spccl.capacity_factor=4 is set aside") == 1  # across nodes: exact sizes on the wire
     assert summary["breakdown_ms"] is not None
     # a grouping that contradicts the emulation is refused before any rank starts training
     monkeypatch.setenv("LOCAL_RANK", "0")
@@ -473,6 +477,21 @@ def test_the_cost_model_is_a_config_key(monkeypatch):
     assert T.collective_config(cfg, local_world=2).cost_model == "default"
     with pytest.raises(C.ConfigError, match="cost_model"):
         C.load_config(None, ["spccl.cost_model=guessed"])
+
+
+def test_capacity_factor_gives_way_to_exact_sizes_across_nodes(monkeypatch):
+    monkeypatch.setattr(T.dist, "get_world_size", lambda group=None: 4)
+    bounded = ["spccl.capacity_factor=4", "spccl.cuda_graphs=true"]
+    one_node = C.load_config(None, bounded)
+    assert T.capacity_factor(one_node, local_world=4) == 4.0
+    assert T.collective_config(one_node, local_world=4).cuda_graphs
+    for spanning in (C.load_config(None, bounded), C.load_config(None, [*bounded, "dist.ranks_per_node=2"])):
+        local_world = 2 if not spanning.dist.ranks_per_node else 4
+        assert T.capacity_factor(spanning, local_world) is None
+        assert not T.collective_config(spanning, local_world).cuda_graphs  # graphs replay bounded calls only
+    keep = C.load_config(None, [*bounded, "spccl.exact_across_nodes=false"])
+    assert T.capacity_factor(keep, local_world=2) == 4.0 and T.collective_config(keep, local_world=2).cuda_graphs
+    assert T.capacity_factor(C.load_config(None), local_world=2) is None  # 0: exchanged counts everywhere
 
 
 @pytest.mark.parametrize(

@@ -75,6 +75,7 @@ from ..train.trainer import (
     _sync,
     announce_links,
     apply_emulation,
+    capacity_factor,
     collective_config,
     finish_run,
     local_rendezvous,
@@ -475,7 +476,7 @@ def _spccl_config(cfg: ExperimentConfig, local_world: int):
         },
         collective=collective_config(cfg, local_world),
         dense_iterations=s.dense_iterations,
-        capacity_factor=s.capacity_factor or None,
+        capacity_factor=capacity_factor(cfg, local_world),
     )
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "IterationRecord",
     "RunLog",
     "announce_links",
+    "capacity_factor",
     "apply_emulation",
     "TimedHook",
     "Timeline",
@@ -293,17 +294,33 @@ def _lr_at(cfg: ExperimentConfig, step: int) -> float:
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def _ranks_per_node(cfg: ExperimentConfig, local_world: int) -> int | None:
+    """Ranks per node of the group, ``None`` when every rank shares one node. Needs the process group."""
+    ranks_per_node = cfg.dist.ranks_per_node or local_world
+    return ranks_per_node if ranks_per_node < dist.get_world_size() else None
+
+
+def capacity_factor(cfg: ExperimentConfig, local_world: int) -> float | None:
+    """The capacity factor both engines reduce with: ``spccl.capacity_factor`` (``None`` for 0),
+    except ``None`` where the group spans nodes and ``spccl.exact_across_nodes`` asks for exact
+    sizes on the wire. Needs the process group."""
+    s = cfg.spccl
+    if not s.capacity_factor or (s.exact_across_nodes and _ranks_per_node(cfg, local_world) is not None):
+        return None
+    return s.capacity_factor
+
+
 def collective_config(cfg: ExperimentConfig, local_world: int) -> CollectiveConfig:
     """The sparse collectives' config of an experiment (both engines): format, algorithm, cost
     model, nodes (``dist.ranks_per_node``, else this node's ranks; ``None`` when every rank shares
-    a node) and CUDA-graph replay. Needs the process group."""
+    a node) and CUDA-graph replay (for reductions planned from bounds: see :func:`capacity_factor`).
+    Needs the process group."""
     s = cfg.spccl
-    ranks_per_node = cfg.dist.ranks_per_node or local_world
     return CollectiveConfig(
         format=s.format,
         algorithm=s.algorithm,
-        ranks_per_node=ranks_per_node if ranks_per_node < dist.get_world_size() else None,
-        cuda_graphs=s.cuda_graphs,
+        ranks_per_node=_ranks_per_node(cfg, local_world),
+        cuda_graphs=s.cuda_graphs and capacity_factor(cfg, local_world) is not None,
         cost_model=s.cost_model,
     )
 
@@ -334,7 +351,7 @@ def _hook(
         warmup_steps=s.warmup_steps,
         seed=cfg.train.seed,
         overlap={"auto": None, "on": True, "off": False, "stream": "stream"}[s.overlap],
-        capacity_factor=s.capacity_factor or None,
+        capacity_factor=capacity_factor(cfg, local_world),
     )
     timed = TimedHook(state, spccl_ddp.sparse_allreduce_hook, timeline)
     model.register_comm_hook(timed, timed_hook)
@@ -484,8 +501,15 @@ def announce_links(cfg: ExperimentConfig, rank: int, world: int, local_world: in
     """Measure the links up front and say on rank 0 what was found, where it matters: on emulated
     nodes, and where SpCCL's ``auto`` chooses from the measured model (it would probe at its first
     call anyway; probing here keeps that out of the first timed iteration and shows the figures).
-    Collective: every rank calls it."""
+    Also says when ``spccl.exact_across_nodes`` sets the capacity factor aside. Collective: every
+    rank calls it."""
     s = cfg.spccl
+    if rank == 0 and s.enabled and s.capacity_factor and capacity_factor(cfg, local_world) is None:
+        print(
+            f"spccl: the group spans nodes, so spccl.capacity_factor={s.capacity_factor:g} is set aside: every "
+            "all-reduce plans from exchanged counts and sends exact sizes (spccl.exact_across_nodes=false keeps it)",
+            flush=True,
+        )
     weighs = s.enabled and s.cost_model == "measured" and "auto" in (s.format, s.algorithm)
     if world < 2 or not (cfg.dist.emulate_nodes > 1 or weighs):
         return None
