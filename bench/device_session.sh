@@ -36,7 +36,7 @@ stage() {  # stage NAME COMMAND...: run, tee to $OUT/NAME.log, count a failure
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 } | tee "$OUT/device.txt"
 # Installed once per machine: sessions started beside each other (other GPUs) share it.
-python3 -c 'import spccl_train' 2> /dev/null \
+python3 -c 'import importlib.metadata as m; m.version("spccl-train")' 2> /dev/null \
   || SPCCL_NO_BUILD_EXT=1 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
   || { cat "$OUT/install.log"; exit 100; }
 sweep_grid=(--collectives all_reduce --sizes 64M,256M,1G --sparsities 90,95,99,99.9

@@ -131,15 +131,16 @@ def _wikitext_files(paths: list[str]) -> list[pathlib.Path] | None:
 
 
 def _load_lines(files: list[pathlib.Path], cache: pathlib.Path) -> list[str]:
+    """The corpus as lines: text files read directly (the embedded corpus needs no ``datasets``),
+    parquet files through Hugging Face ``datasets`` (their ``text`` column)."""
+    if not any(f.suffix == ".parquet" for f in files):
+        return [line for f in files for line in f.read_text(encoding="utf-8").splitlines()]
+    if not all(f.suffix == ".parquet" for f in files):
+        raise DataError("data.paths mixes parquet and text files: give one kind")
     import datasets
 
     datasets.disable_progress_bars()
-    if all(f.suffix == ".parquet" for f in files):
-        ds = datasets.load_dataset("parquet", data_files=[str(f) for f in files], split="train", cache_dir=str(cache))
-    elif any(f.suffix == ".parquet" for f in files):
-        raise DataError("data.paths mixes parquet and text files: give one kind")
-    else:
-        ds = datasets.load_dataset("text", data_files=[str(f) for f in files], split="train", cache_dir=str(cache))
+    ds = datasets.load_dataset("parquet", data_files=[str(f) for f in files], split="train", cache_dir=str(cache))
     if "text" not in ds.column_names:
         raise DataError(f"{files[0]}: no 'text' column (columns: {ds.column_names})")
     return ds["text"]
