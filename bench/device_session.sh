@@ -76,9 +76,9 @@ while [ $# -gt 0 ]; do
     gpus)
       n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
       stage "sweep_gpus_${n}x1" torchrun --standalone --nproc-per-node="$n" bench/bench_collectives.py \
-        --emulate-nodes "$n" "${sweep_grid[@]}" --sizes 256M,1G --dtype fp32,bf16 --time-limit-s 150
+        --emulate-nodes "$n" "${sweep_grid[@]}" --sizes 256M,1G --dtype "${DTYPES:-fp32,bf16}" --time-limit-s 150
       stage "sweep_gpus_nvlink" torchrun --standalone --nproc-per-node="$n" bench/bench_collectives.py \
-        "${sweep_grid[@]}" --sizes 256M,1G --dtype fp32,bf16 --time-limit-s 100
+        "${sweep_grid[@]}" --sizes 256M,1G --dtype "${DTYPES:-fp32,bf16}" --time-limit-s 100
       shift
       ;;
     *)

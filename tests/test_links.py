@@ -275,6 +275,36 @@ def test_a_far_miss_moves_the_factor_halfway_and_a_near_one_does_not():
     assert "all_reduce ring/pici" in c.describe()
 
 
+def test_unobserved_sparse_candidates_take_a_share_of_what_the_observed_ones_learned():
+    import random
+
+    c = feedback.Corrections()
+    nbytes = 256 << 20
+    errors = {"direct/pici": random.uniform(2.0, 8.0), "ring/coo": random.uniform(0.1, 0.5), "native/dense": 3.0}
+    assert c.factors_for("all_reduce", nbytes) == {}
+    learned = {}
+    for name, error in errors.items():
+        for _ in range(12):  # the first is warm-up; then halfway each time until within FAR
+            c.called("all_reduce", name, nbytes, 0.01, _Done(0.01 * error))
+            c.learn([c.report()])
+        learned[name] = c.factors_for("all_reduce", nbytes)[name]
+        assert abs(math.log(error / learned[name])) <= math.log(feedback.FAR)
+    factors = c.factors_for("all_reduce", nbytes)
+    sparse = [math.log(learned[n]) for n in ("direct/pici", "ring/coo")]
+    assert factors[feedback.UNOBSERVED] == pytest.approx(math.exp(sum(sparse) / 3))  # n / (n + 1) of the mean
+    assert feedback.factor_of(factors, "direct/coo") == factors[feedback.UNOBSERVED]
+    assert feedback.factor_of(factors, "ring/coo") == learned["ring/coo"]  # observed: its own
+    assert feedback.factor_of(factors, "native/dense") == learned["native/dense"]
+    assert feedback.factor_of(c.factors_for("all_reduce", nbytes * 4), "native/dense") == 1.0
+    # the native call neither gives nor takes the share
+    d = feedback.Corrections()
+    for _ in range(6):
+        d.called("all_reduce", "native/dense", nbytes, 0.01, _Done(0.05))
+        d.learn([d.report()])
+    assert feedback.UNOBSERVED not in d.factors_for("all_reduce", nbytes)
+    assert feedback.factor_of(d.factors_for("all_reduce", nbytes), "ring/pici") == 1.0
+
+
 def test_the_slowest_rank_is_the_calls_time():
     c = feedback.Corrections()
     for times in ([1, 1], [4_000_000_000, 1]):

@@ -44,7 +44,7 @@ from .exchange import (
     exchange_counts,
     exchange_reduced_counts,
 )
-from .feedback import Corrections
+from .feedback import Corrections, factor_of
 from .graphs import graph_key, remember_bounds, remembered_bounds, run_graphed
 from .links import Measured, measured_model
 from .plan import Plan, bound_reduced_counts, plan_all_gather
@@ -620,7 +620,7 @@ def _run(
     event = timer.stop()
     if corrections is not None and not (inp.is_cuda and torch.cuda.is_current_stream_capturing()):
         # (a call captured in a CUDA graph ran nothing: its timer's events belong to the graph)
-        uncorrected = choice.predicted_s / (factors or {}).get(choice.name, 1.0)
+        uncorrected = choice.predicted_s / factor_of(factors, choice.name)
         corrections.called(collective, choice.name, nbytes, uncorrected, timer)
     stats = CollectiveStats(
         collective=collective,

@@ -31,6 +31,7 @@ from ..formats import Format
 from .chunking import ChunkLayout
 from .config import CollectiveConfig
 from .cost import CostModel
+from .feedback import factor_of
 from .plan import Plan, bound_reduced_counts, estimate_reduced_counts, plan_all_gather, plan_reduce_scatter
 from .topology import Topology
 
@@ -81,8 +82,8 @@ def choose(
         model: the cost model.
         exchanges: planning exchanges (each with its count pass) every candidate pays: 1, or 0
             for a call planned from bounds; an all-reduce that measures its gather phase adds one.
-        factors: corrections learned from observed calls (:mod:`.feedback`), by candidate name:
-            each candidate's prediction is multiplied by its factor (absent: 1).
+        factors: corrections learned from observed calls (:meth:`.feedback.Corrections.factors_for`):
+            each candidate's prediction is multiplied by :func:`.feedback.factor_of`.
     """
     native_only = config.format == "dense" and config.algorithm == "auto"
     candidates: list[Candidate] = []
@@ -125,7 +126,7 @@ def choose(
                         best_gather = (predicted, mode)
                 candidates.append(Candidate(algorithm, fmt, plan, best_gather[0], best_gather[1]))
     if factors:
-        candidates = [dataclasses.replace(c, predicted_s=c.predicted_s * factors.get(c.name, 1.0)) for c in candidates]
+        candidates = [dataclasses.replace(c, predicted_s=c.predicted_s * factor_of(factors, c.name)) for c in candidates]
     best = candidates[0]
     for candidate in candidates[1:]:
         # A plan that sends nothing sparse is a dense collective run by SpCCL's own steps, which
