@@ -70,7 +70,8 @@ CUDA graphs (``CollectiveConfig.cuda_graphs``: one count exchange per call, then
 
     torchrun --standalone --nproc-per-node=2 bench/bench_collectives.py --smoke --out-dir /tmp/x
 
-Writes ``collectives_<device>x<world>_<date>.csv`` and speedup heatmaps like the paper's
+Writes ``collectives_<device>x<world>[_<N>nodes]_<date>.csv`` (``_2``, ``_3``, ... after it
+when that file exists; ``_<N>nodes`` under ``--emulate-nodes N``) and speedup heatmaps like the paper's
 (``..._<collective>_<pattern>_<dtype>.png``: rows sparsity, columns size, speedup over
 ``nccl``, a panel per method; with a sweep also ``..._sweep.png``: rows the channel count and
 threshold scale, columns sparsity, at the largest size) into ``--out-dir``; only rank 0 writes
@@ -1274,9 +1275,14 @@ def _main(settings: _Settings, env: _Env) -> int:
         "emulated_nodes": settings.emulate_nodes,
         "devices_used": _devices_used(env),
     }
-    stem = settings.out_dir / f"collectives_{benchlib.slug(device_name)}x{env.world}_{now.date().isoformat()}"
-    if settings.graphs:
-        stem = stem.with_name(stem.name + "_graphs")
+    name = f"collectives_{benchlib.slug(device_name)}x{env.world}"
+    if settings.emulate_nodes > 1:
+        name += f"_{settings.emulate_nodes}nodes"
+    name += f"_{now.date().isoformat()}" + ("_graphs" if settings.graphs else "")
+    stem, taken = settings.out_dir / name, 1
+    while stem.with_suffix(".csv").exists():  # never overwrite an earlier run's results
+        taken += 1
+        stem = settings.out_dir / f"{name}_{taken}"
     methods = _methods(settings)
     cases = [
         (dtype, pattern, coll, size, sparsity)
