@@ -139,6 +139,9 @@ _SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
 _PATTERNS = ("iid", "identical", "disjoint", "clustered")
 _SPCCL_METHODS = ("auto/auto", "pici/ring", "pici/direct", "coo/ring", "coo/direct", "auto/ring", "auto/direct")
 _METHODS = ("nccl", "naive_coo", *_SPCCL_METHODS)
+_ON_REQUEST = ("pici/hierarchical", "coo/hierarchical", "auto/hierarchical")
+"""Methods run only when named (all-reduce only): the hierarchical all-reduce needs nodes
+(``--ranks-per-node`` or ``--emulate-nodes`` with several ranks per node)."""
 _DEFAULT_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5)
 _LARGE = 256 << 20
 _COMPARE_CHUNK = 1 << 26  # elements per slice when comparing, to bound the temporaries
@@ -337,9 +340,9 @@ def _settings(argv: list[str] | None) -> _Settings:
     )
     parser.add_argument(
         "--methods",
-        type=_list_of(_choice(_METHODS, "method"), _METHODS),
+        type=_list_of(_choice((*_METHODS, *_ON_REQUEST), "method"), _METHODS),
         default=list(_METHODS),
-        help=f"some of {','.join(_METHODS)}, or all (default all)",
+        help=f"some of {','.join(_METHODS)}, or all (default all); also {','.join(_ON_REQUEST)} (all-reduce only)",
     )
     parser.add_argument(
         "--sizes",
@@ -447,7 +450,7 @@ def _settings(argv: list[str] | None) -> _Settings:
         rpn = args.ranks_per_node or int(os.environ["LOCAL_WORLD_SIZE"]) // args.emulate_nodes
     return _Settings(
         collectives=args.collectives,
-        methods=[m for m in _METHODS if m in args.methods],
+        methods=[m for m in (*_METHODS, *_ON_REQUEST) if m in args.methods],
         sizes=sorted(args.sizes or ([64 << 10, 256 << 10] if smoke else [64 << 20, 256 << 20, 1 << 30])),
         sparsities=args.sparsities or ([0.0, 90.0, 99.9] if smoke else [0.0, 50.0, 90.0, 95.0, 99.0, 99.9]),
         patterns=args.patterns or (list(_PATTERNS) if smoke else ["iid"]),
@@ -924,6 +927,8 @@ def _run_case(case: _Case, methods: list[_Method], env: _Env, settings: _Setting
     rows: list[_Row] = []
     base: dict[str, _Row] = {}
     for method in methods:
+        if method.algorithm == "hierarchical" and case.collective != "all_reduce":
+            continue
         row = _measure(method, case, env, settings)
         if "nccl" in base and base["nccl"].predicted_ms is None:
             base["nccl"].predicted_ms = row.native_predicted_ms

@@ -45,6 +45,7 @@ from .exchange import (
     exchange_reduced_counts,
 )
 from .feedback import Corrections, factor_of
+from .hierarchical import check_hierarchy, hierarchical_all_reduce, subgroups
 from .graphs import graph_key, remember_bounds, remembered_bounds, run_graphed
 from .links import Measured, measured_model
 from .plan import Plan, bound_reduced_counts, plan_all_gather
@@ -74,7 +75,8 @@ class CollectiveStats:
     collective: str
     """``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``."""
     algorithm: str
-    """``"ring"``, ``"direct"``, ``"native"`` (the dense torch.distributed call) or ``"local"`` (world size 1)."""
+    """``"ring"``, ``"direct"``, ``"native"`` (the dense torch.distributed call), ``"hierarchical"``
+    (three flat calls on node subgroups, summed here: ``plan`` is ``None``) or ``"local"`` (world size 1)."""
     format: Format
     """The format the plan allowed (``DENSE`` for native and dense plans)."""
     plan: Plan | None
@@ -328,6 +330,8 @@ def _call(
         raise TypeError(f"planning_stream must be a torch.cuda.Stream or None, got {type(planning_stream).__name__}")
     if planning_stream is not None and not input.is_cuda:
         planning_stream = None  # CPU work is ordered by the host
+    if config.algorithm == "hierarchical":
+        return _hierarchical(collective, output, input, group, transport, async_op, config, planning_stream, bounds)
     with torch.no_grad():
         graphed = _graphable(config, input, output, transport)
         exchanged = (
@@ -347,6 +351,64 @@ def _call(
                 stats.exchanges = 1
         else:
             stats, event = _run(collective, transport, config, input, output, planner, planning_stream, bounds)
+    _local.stats = stats
+    return CollectiveWork([output], stats, event) if async_op else None
+
+
+def _hierarchical(
+    collective: str,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    transport: P2PTransport,
+    async_op: bool,
+    config: CollectiveConfig,
+    planning_stream: torch.cuda.Stream | None,
+    bounds: Sequence[Sequence[int]] | None,
+) -> CollectiveWork | None:
+    """``algorithm="hierarchical"`` (:mod:`.hierarchical`): three flat calls on the node subgroups,
+    reported as one call. Argument errors depend only on what every rank shares (the collective,
+    the config, the group), so every rank raises alike."""
+    if collective != "all_reduce":
+        raise ValueError(f"algorithm='hierarchical' is for all_reduce; a {collective} takes 'auto', 'ring' or 'direct'")
+    if bounds is not None:
+        raise ValueError(
+            "bounds= is not supported with algorithm='hierarchical' (its steps plan from their own counts); "
+            "drop the bounds or use algorithm='auto'"
+        )
+    rpn = _ranks_per_node(config, transport)
+    check_hierarchy(transport.world, rpn)
+    flat_config = dataclasses.replace(config, algorithm="auto")
+    if rpn is None or rpn == 1 or rpn >= transport.world or input.numel() == 0:  # one level: the flat call
+        return _call(collective, output, input, group, async_op, flat_config, None, planning_stream)
+    intra, inter = subgroups(group, transport, rpn)
+    timer = Span(input.device)
+
+    def call(coll: str, out: torch.Tensor, inp: torch.Tensor, grp, cfg: CollectiveConfig, stream) -> CollectiveStats:
+        _call(coll, out, inp, grp, False, cfg, planning_stream=stream)
+        return _local.stats
+
+    with torch.no_grad():
+        parts = hierarchical_all_reduce(input, intra, inter, config, rpn, planning_stream, call)
+    event = timer.stop()
+    p, size = transport.world, input.element_size()
+    statuses = [part._statuses for part in parts if part._statuses is not None]
+    predicted = sum(part.predicted_s for part in parts)
+    stats = CollectiveStats(
+        collective=collective,
+        algorithm="hierarchical",
+        format=parts[1].format,  # the step that crosses the network
+        plan=None,
+        predicted_s=predicted,
+        candidates={"hierarchical": predicted},
+        exchanges=sum(part.exchanges for part in parts),
+        gather_counts="",
+        bytes_sent=sum(part.bytes_sent for part in parts),
+        dense_bytes=(p - 1) * (input.numel() // p) * size * 2,
+        graph="",
+        _statuses=torch.cat(statuses) if statuses else None,
+        _timer=timer,
+    )
     _local.stats = stats
     return CollectiveWork([output], stats, event) if async_op else None
 

@@ -20,7 +20,7 @@ MAX_CHANNELS = 64
 """Most pieces a chunk may be cut into (the count exchange grows with ``world * channels``)."""
 
 _FORMATS = ("auto", "pici", "coo", "dense")
-_ALGORITHMS = ("auto", "ring", "direct")
+_ALGORITHMS = ("auto", "ring", "direct", "hierarchical")
 _GATHER_COUNTS = ("auto", "bound", "measured")
 _COST_MODELS = ("measured", "default")
 
@@ -100,7 +100,10 @@ class CollectiveConfig:
     algorithm: str = "auto"
     """``"ring"`` (the paper: p-1 steps per phase, formats adapt per step to fill-in),
     ``"direct"`` (reduce-scatter as one all-to-all of compressed chunks, all-gather as one
-    exchange of compressed chunks: no fill-in in transit), or ``"auto"`` (the cost model picks)."""
+    exchange of compressed chunks: no fill-in in transit), ``"auto"`` (the cost model picks one of
+    those or the native call), or ``"hierarchical"`` (all-reduce only, for groups spanning nodes:
+    reduce-scatter inside each node, all-reduce of the node sums across nodes, all-gather inside
+    each node, each step a flat call with ``auto``; :mod:`.hierarchical`)."""
     thresholds: Thresholds = dataclasses.field(default_factory=Thresholds)
     """Sparsity thresholds (intra-node, inter-node, all-gather); unset ones take the chosen
     format's defaults. A mapping with keys ``intra``, ``inter``, ``ag`` is accepted too."""

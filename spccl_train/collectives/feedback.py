@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 
 from .._timing import Span
 
-__all__ = ["FAR", "FACTOR_RANGE", "NATIVE", "STEP", "UNOBSERVED", "Corrections", "factor_of", "size_class"]
+__all__ = ["FACTOR_RANGE", "FAR", "NATIVE", "STEP", "UNOBSERVED", "Corrections", "factor_of", "size_class"]
 
 FAR = 1.25
 """A measured time more than this factor away from its prediction (either way) corrects the model."""

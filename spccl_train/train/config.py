@@ -185,8 +185,9 @@ class SpcclConfig:
     """Dtype of the error-feedback buffers."""
     format: str = dataclasses.field(default="auto", metadata=_choices("auto", "pici", "coo", "dense"))
     """Wire format of the sparse all-reduce."""
-    algorithm: str = dataclasses.field(default="auto", metadata=_choices("auto", "ring", "direct"))
-    """Algorithm of the sparse all-reduce."""
+    algorithm: str = dataclasses.field(default="auto", metadata=_choices("auto", "ring", "direct", "hierarchical"))
+    """Algorithm of the sparse all-reduce (``hierarchical``: reduce inside each node, across nodes,
+    gather inside each node; :mod:`spccl_train.collectives.hierarchical`)."""
     cost_model: str = dataclasses.field(default="measured", metadata=_choices("measured", "default"))
     """What ``auto`` weighs with (``CollectiveConfig.cost_model``): ``measured`` probes the links
     and codecs at the start and corrects itself from observed call times; ``default`` uses the

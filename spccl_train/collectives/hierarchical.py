@@ -1,0 +1,103 @@
+"""The hierarchical all-reduce: reduce inside each node, across nodes, then gather inside each node.
+
+For a group of ``N`` nodes of ``L`` consecutive ranks (``ranks_per_node``), node ``k``'s local
+rank ``l`` being group rank ``k * L + l``:
+
+1. **Reduce-scatter inside the node** (over NVLink on a real cluster): local rank ``l`` gets the
+   node's sum of slice ``l`` (of ``L`` equal slices; the tensor is padded to a multiple of ``L``
+   in a copy when its length is not one).
+2. **All-reduce across nodes** of that slice, among the ``N`` ranks of local rank ``l`` (one per
+   node): only these bytes cross the network, ``1 / L`` of the tensor, each reduced over its
+   node already. This is where fill-in matters: the node sums are denser than the ranks' inputs,
+   and the sub-call's own ``auto`` (with the link-aware ``inter`` threshold, every hop being
+   inter-node) decides how sparse to send them.
+3. **All-gather inside the node** of the reduced slices.
+
+Each step is one of the library's flat collectives on a subgroup (made once per group and
+``ranks_per_node``, with ``torch.distributed.new_group``: every rank takes part in making its own
+two), with the caller's format, thresholds and channels, and ``auto`` choosing algorithm (ring,
+direct or native) per step from that step's counts. Exact, and bit-identical on every rank: step
+2's result is bit-identical on the ranks of each slice's group, and step 3 copies bits.
+
+Where the flat algorithms send ``~2 x size x min(1, p x density)`` bytes per rank over the network
+once fill-in saturates, this sends ``~2 x size / L x min(1, p x density)``: L times fewer.
+
+Not yet: caller bounds, CUDA graphs (a hierarchical call runs eagerly) and ``planning_group``
+(the subgroups plan on themselves), and a prediction that lets ``auto`` weigh it against the flat
+algorithms; ask for it with ``CollectiveConfig(algorithm="hierarchical")``. On one node, or with
+one rank per node, it is the flat call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .config import CollectiveConfig
+
+__all__ = ["check_hierarchy", "hierarchical_all_reduce", "subgroups"]
+
+_subgroups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per transport (weakly: it lives as long as its group), ``{ranks_per_node: (intra, inter)}``."""
+
+
+def check_hierarchy(world: int, ranks_per_node: int | None) -> None:
+    """Raise ``ValueError`` (naming the values and the fix) where nodes are not equal blocks of ranks."""
+    if ranks_per_node is not None and world % ranks_per_node:
+        raise ValueError(
+            f"algorithm='hierarchical' needs nodes of equal size: {world} ranks are not a multiple of "
+            f"ranks_per_node={ranks_per_node}; set CollectiveConfig.ranks_per_node to the ranks per node"
+        )
+
+
+def subgroups(group: dist.ProcessGroup | None, transport, ranks_per_node: int) -> tuple:
+    """``(intra, inter)``: this rank's node, and the ranks of its local rank on every node.
+
+    Made on first use and kept while the group lives. Collective over the group: every rank makes
+    its two (``use_local_synchronization``: only the members of a subgroup meet to make it).
+    """
+    made = _subgroups.setdefault(transport, {})
+    if ranks_per_node not in made:
+        world, rank = transport.world, transport.rank
+        members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        node, local = divmod(rank, ranks_per_node)
+        intra = [members[node * ranks_per_node + i] for i in range(ranks_per_node)]
+        inter = [members[k * ranks_per_node + local] for k in range(world // ranks_per_node)]
+        made[ranks_per_node] = tuple(dist.new_group(ranks, use_local_synchronization=True) for ranks in (intra, inter))
+    return made[ranks_per_node]
+
+
+def hierarchical_all_reduce(
+    tensor: torch.Tensor,
+    intra: dist.ProcessGroup,
+    inter: dist.ProcessGroup,
+    config: CollectiveConfig,
+    local_world: int,
+    planning_stream: torch.cuda.Stream | None,
+    call: Callable[..., object],
+) -> list:
+    """Sum ``tensor`` over the group in the three steps above; returns the steps' stats.
+
+    ``call(collective, output, input, group, config, planning_stream)`` runs one flat collective
+    synchronously on the current stream and returns its stats (the API's own entry point).
+    """
+    flat = tensor.view(-1)
+    n = flat.numel()
+    padded = -(-n // local_world) * local_world
+    work = flat
+    if padded != n:  # equal slices: pad a copy with zeros (they stay zero, sent as nothing)
+        work = torch.zeros(padded, dtype=flat.dtype, device=flat.device)
+        work[:n].copy_(flat)
+    piece = torch.empty(padded // local_world, dtype=flat.dtype, device=flat.device)
+    within = dataclasses.replace(config, algorithm="auto", ranks_per_node=None, cuda_graphs=False)
+    across = dataclasses.replace(config, algorithm="auto", ranks_per_node=1, cuda_graphs=False)
+    stats = [call("reduce_scatter", piece, work, intra, within, planning_stream)]
+    stats.append(call("all_reduce", piece, piece, inter, across, None))
+    stats.append(call("all_gather", work, piece, intra, within, None))
+    if work is not flat:
+        flat.copy_(work[:n])
+    return stats

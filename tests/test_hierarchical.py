@@ -1,0 +1,115 @@
+"""The hierarchical all-reduce on gloo with simulated nodes: 4 x 2, 3 x 4 and 2 x 8 ranks.
+
+Each case checks, against the float64 sum of every rank's input: the result within the rounding
+of ``world`` additions, positions zero on every rank exactly zero, and the result bit-identical
+on every rank (up to the sign of zero). Odd lengths (not a multiple of the ranks per node, so the
+slices are padded), every format, float32 and bfloat16, sparsity 0.5 / 0.99 / 1.0, random and
+disjoint supports. Also: it sends no more than the flat direct algorithm where fill-in saturates,
+and bad calls raise the same error on every rank. Inputs are fresh every run (the seed of
+``tests/test_collectives.py``, printed on failure, replays them).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _pool import pool_factory
+from test_collectives import DTYPES, SEED, _check_sum, _digest, _inputs, _seed
+
+import spccl_train
+from spccl_train.collectives import CollectiveConfig, last_stats
+
+
+@pytest.fixture(scope="module")
+def pools(tmp_path_factory):
+    yield from pool_factory(tmp_path_factory, f"SPCCL_TEST_SEED={SEED}")
+
+
+def _job_hierarchical(rank, world, seed, rpn, cases):
+    digests = []
+    for fmt, dtype_name, sparsity, support, n in cases:
+        what = f"hierarchical {world // rpn}x{rpn} {fmt} {dtype_name} sparsity={sparsity} {support} n={n}"
+        xs = _inputs(
+            _seed(seed, fmt, dtype_name, sparsity, support, n), world, n, DTYPES[dtype_name], sparsity, support
+        )
+        out = xs[rank].clone()
+        cfg = CollectiveConfig(format=fmt, algorithm="hierarchical", ranks_per_node=rpn)
+        work = spccl_train.all_reduce(out, config=cfg, async_op=True)
+        work.wait()
+        _check_sum(out, xs, what)
+        stats = work.stats
+        assert stats is last_stats() and stats.algorithm == "hierarchical", what
+        assert stats.exchanges >= 3 and stats.dense_bytes > 0, (what, stats.exchanges)
+        assert stats.decode_status is None or int(stats.decode_status.max()) == 0, what
+        digests.append(_digest(out))
+    return digests
+
+
+CASES = [
+    ("pici", "fp32", 0.99, "random", 8 * 4096 + 777),
+    ("coo", "bf16", 0.99, "disjoint", 8 * 1001 + 3),
+    ("auto", "fp32", 0.5, "random", 8 * 513 + 5),
+    ("dense", "bf16", 0.5, "disjoint", 8 * 77 + 1),
+    ("auto", "fp32", 1.0, "random", 8 * 97 + 7),
+]
+
+
+@pytest.mark.parametrize("world, rpn", [(8, 2), (12, 4), (16, 8)])
+def test_hierarchical_all_reduce_is_exact_and_identical_on_every_rank(pools, world, rpn):
+    got = pools(world).run(_job_hierarchical, _seed("hierarchical", world), rpn, CASES)
+    assert all(g == got[0] for g in got), "ranks hold different bits"
+
+
+def _job_bytes(rank, world, seed, rpn):
+    """Where fill-in saturates (each rank 20% dense, 8 ranks), the network carries the node sums
+    once: hierarchical sends fewer inter-node bytes than the flat direct algorithm."""
+    n = world * 4096
+    xs = _inputs(_seed(seed, "bytes"), world, n, torch.float32, 0.8, "random")
+    sent = {}
+    for algorithm in ("direct", "hierarchical"):
+        out = xs[rank].clone()
+        spccl_train.all_reduce(out, config=CollectiveConfig(format="pici", algorithm=algorithm, ranks_per_node=rpn))
+        _check_sum(out, xs, algorithm)
+        sent[algorithm] = last_stats().bytes_sent
+    return sent
+
+
+def test_hierarchical_sends_fewer_bytes_where_fill_in_saturates(pools):
+    got = pools(8).run(_job_bytes, _seed("hierarchical bytes"), 4)
+    total = {a: sum(g[a] for g in got) for a in ("direct", "hierarchical")}
+    # flat direct: ~p x n x 4 x (density + 1) bytes in all; hierarchical moves most of that inside nodes
+    assert total["hierarchical"] < total["direct"], total
+
+
+def _job_bad(rank, world, case):
+    x = torch.ones(world * 8)
+    try:
+        if case == "reduce_scatter":
+            out = torch.empty(8)
+            spccl_train.reduce_scatter_tensor(out, x, config=CollectiveConfig(algorithm="hierarchical"))
+        elif case == "bounds":
+            spccl_train.all_reduce(x, config=CollectiveConfig(algorithm="hierarchical"), bounds=[[8] * world] * world)
+        else:
+            spccl_train.all_reduce(x, config=CollectiveConfig(algorithm="hierarchical", ranks_per_node=3))
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        message = ""
+    # the group stays usable
+    y = torch.full((5,), float(rank))
+    spccl_train.all_reduce(y, config=CollectiveConfig(algorithm="hierarchical", ranks_per_node=2))
+    assert torch.equal(y, torch.full((5,), float(sum(range(world)))))
+    return message
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("reduce_scatter", "algorithm='hierarchical' is for all_reduce"),
+        ("bounds", "bounds= is not supported with algorithm='hierarchical'"),
+        ("uneven", "4 ranks are not a multiple of ranks_per_node=3"),
+    ],
+)
+def test_bad_hierarchical_calls_raise_alike_on_every_rank(pools, case, message):
+    got = pools(4).run(_job_bad, case)
+    assert all(g == got[0] for g in got) and message in got[0], got
