@@ -18,8 +18,10 @@ A point whose first timing is predicted (from the square of the rank count, as t
 scales) to take longer than ``--max-point-s`` is skipped and says so.
 
 Part 2, the model's predictions for that all-reduce with 8 GPUs per node (``CostModel.default``
-for CUDA, its network replaced by ``--networks`` GB/s per GPU): dense (NCCL's ring), and the best
-flat sparse candidate (ring or direct, Pici or COO), with the ratio. Predictions, not
+for CUDA, its network replaced by ``--networks`` GB/s per GPU): dense (NCCL's ring), the best
+flat sparse candidate (ring or direct, Pici or COO) and the hierarchical all-reduce (reduce inside
+each node, across nodes, gather; weighed where one of its steps would send sparsely), each with
+its ratio to dense. Predictions, not
 measurements: the table tells a user whether SpCCL can help on their cluster, as far as the
 model knows it (``bench/results/2026-11-25_h100/README.md`` says how far that is on emulated nodes).
 
@@ -165,11 +167,14 @@ def model_rows(args: argparse.Namespace) -> list[dict]:
             start = time.perf_counter()
             _, weighed = decide("all_reduce", config, "model", table, layout, torch.float32, topology, model)
             per_p2 = max(per_p2, (time.perf_counter() - start) / (world * world))
-            sparse = {name: t for name, t in weighed.items() if not name.startswith("native")}
+            sparse = {name: t for name, t in weighed.items() if name not in ("native/dense", "hierarchical")}
             best = min(sparse, key=sparse.get)
             row["sparse_ms"] = 1e3 * sparse[best]
             row["sparse_best"] = best
             row["speedup"] = dense / sparse[best]
+            if "hierarchical" in weighed:  # weighed where one of its steps would send sparsely
+                row["hierarchical_ms"] = 1e3 * weighed["hierarchical"]
+                row["hierarchical_speedup"] = dense / weighed["hierarchical"]
             rows.append(row)
             print(_model_line(row), flush=True)
     return rows
@@ -177,6 +182,8 @@ def model_rows(args: argparse.Namespace) -> list[dict]:
 
 def _model_line(row: dict) -> str:
     sparse = f"{row['sparse_ms']:10.2f} {row['sparse_best']:12s} {row['speedup']:7.2f}x" if "sparse_ms" in row else ""
+    if "hierarchical_ms" in row:
+        sparse += f" {row['hierarchical_ms']:10.2f} {row['hierarchical_speedup']:7.2f}x"
     return f"{row['gpus']:6d} {row['network_GBps']:8.0f} {row['dense_ms']:10.2f} {sparse} {row.get('note', '')}"
 
 
@@ -253,7 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         f"\nmodel: all-reduce {benchlib.size_label(args.size)} fp32 at {args.sparsity:g}%, 8 GPUs per node "
         "(CostModel.default for CUDA, network replaced); predictions, not measurements"
     )
-    print(f"{'gpus':>6s} {'net GB/s':>8s} {'dense ms':>10s} {'sparse ms':>10s} {'best':12s} {'ratio':>8s}")
+    print(
+        f"{'gpus':>6s} {'net GB/s':>8s} {'dense ms':>10s} {'flat ms':>10s} {'best flat':12s} {'ratio':>8s} "
+        f"{'hier. ms':>10s} {'ratio':>8s}"
+    )
     model = model_rows(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"planning_cpu_{now.date().isoformat()}"

@@ -17,7 +17,9 @@ from _pool import pool_factory
 from test_collectives import DTYPES, SEED, _check_sum, _digest, _inputs, _seed
 
 import spccl_train
-from spccl_train.collectives import CollectiveConfig, last_stats
+from spccl_train.collectives import CollectiveConfig, CostModel, Topology, choose, last_stats
+from spccl_train.collectives.chunking import ChunkLayout
+from spccl_train.collectives.cost import CodecCost, LinkCost
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +115,60 @@ def _job_bad(rank, world, case):
 def test_bad_hierarchical_calls_raise_alike_on_every_rank(pools, case, message):
     got = pools(4).run(_job_bad, case)
     assert all(g == got[0] for g in got) and message in got[0], got
+
+
+# ----------------------------------------------------------------------------- auto weighs it
+
+
+def _model(inter_bandwidth: float) -> CostModel:
+    """Fast links and codecs inside a node; the network at ``inter_bandwidth`` bytes per second."""
+    rates = CodecCost(compress=1e11, decompress=1e11, accumulate=1e11, call_s=1e-6)
+    return CostModel(
+        intra=LinkCost(latency_s=5e-6, bandwidth=2e11),
+        inter=LinkCost(latency_s=2e-5, bandwidth=inter_bandwidth),
+        pici=rates,
+        coo=rates,
+        reduce=1e11,
+        copy=2e11,
+        count=2e11,
+        exchange_s=5e-5,
+    )
+
+
+def _weigh(world, rpn, density, inter_bandwidth, numel=1 << 24):
+    layout = ChunkLayout.of("all_reduce", numel, world)
+    table = [[round(density * p.numel) for chunk in layout.pieces for p in chunk] for _ in range(world)]
+    return choose(
+        "all_reduce", CollectiveConfig(), table, layout, torch.float32, Topology(world, rpn), _model(inter_bandwidth)
+    )
+
+
+def test_auto_weighs_the_hierarchical_all_reduce_by_the_network():
+    # 4 nodes of 8 at 5% density each: the flat algorithms send the filled-in sums over the network
+    slow_best, slow = _weigh(32, 8, 0.05, inter_bandwidth=2e9)
+    fast_best, fast = _weigh(32, 8, 0.05, inter_bandwidth=2e11)
+    assert slow_best.algorithm == "hierarchical" and slow_best.plan is None, slow
+    # it sends about 1/8 of the flat algorithms' bytes across the network
+    assert slow["hierarchical"] < 0.5 * min(slow[n] for n in ("ring/pici", "direct/pici", "ring/coo", "direct/coo"))
+    # on a network as fast as the node's links its steps go native, and then it is not weighed
+    assert fast_best.algorithm != "hierarchical" and "hierarchical" not in fast, fast
+    # one node, or one rank per node: not weighed
+    assert "hierarchical" not in _weigh(8, None, 0.05, 2e9)[1] and "hierarchical" not in _weigh(8, 1, 0.05, 2e9)[1]
+
+
+def _job_auto_hierarchical(rank, world, seed, rpn):
+    n = world * 4096 + 333
+    xs = _inputs(_seed(seed, "auto"), world, n, torch.float32, 0.95, "random")
+    out = xs[rank].clone()
+    spccl_train.all_reduce(out, config=CollectiveConfig(ranks_per_node=rpn, cost_model=_model(1e7)))
+    _check_sum(out, xs, "auto over a slow network")
+    stats = last_stats()
+    return stats.algorithm, stats.exchanges, _digest(out)
+
+
+def test_auto_runs_the_hierarchical_all_reduce_it_chose(pools):
+    got = pools(8).run(_job_auto_hierarchical, _seed("auto hierarchical"), 2)
+    assert all(g == got[0] for g in got), got
+    algorithm, exchanges, _ = got[0]
+    # the flat exchange, then one per step (the step across nodes may measure its gather phase: one more)
+    assert algorithm == "hierarchical" and exchanges in (4, 5), got[0]

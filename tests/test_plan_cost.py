@@ -315,7 +315,8 @@ def test_auto_never_predicts_slower_than_dense(collective, world, density, bandw
     # margin, undercut native (they never win)
     assert math.isclose(best.predicted_s, min(weighed.values()), rel_tol=1e-9) or best.algorithm == "native"
     if best.algorithm != "native":
-        assert any(m.sparse for m in best.plan.messages())
+        # (a hierarchical candidate is weighed only where one of its steps sends sparsely)
+        assert best.algorithm == "hierarchical" or any(m.sparse for m in best.plan.messages())
         assert best.predicted_s < (1 - NATIVE_MARGIN) * native
 
 

@@ -381,36 +381,60 @@ def _hierarchical(
     flat_config = dataclasses.replace(config, algorithm="auto")
     if rpn is None or rpn == 1 or rpn >= transport.world or input.numel() == 0:  # one level: the flat call
         return _call(collective, output, input, group, async_op, flat_config, None, planning_stream)
-    intra, inter = subgroups(group, transport, rpn)
     timer = Span(input.device)
+    with torch.no_grad():
+        parts = _hierarchical_steps(transport, config, rpn, input, planning_stream)
+    event = timer.stop()
+    predicted = sum(part.predicted_s for part in parts)
+    stats = _hierarchical_stats(transport, input, parts, timer, predicted, {"hierarchical": predicted}, 0)
+    _local.stats = stats
+    return CollectiveWork([output], stats, event) if async_op else None
+
+
+def _hierarchical_steps(
+    transport: P2PTransport,
+    config: CollectiveConfig,
+    ranks_per_node: int,
+    tensor: torch.Tensor,
+    planning_stream: torch.cuda.Stream | None,
+) -> list[CollectiveStats]:
+    """Run the hierarchical all-reduce's three flat calls on the node subgroups; their stats."""
+    intra, inter = subgroups(transport.group, transport, ranks_per_node)
 
     def call(coll: str, out: torch.Tensor, inp: torch.Tensor, grp, cfg: CollectiveConfig, stream) -> CollectiveStats:
         _call(coll, out, inp, grp, False, cfg, planning_stream=stream)
         return _local.stats
 
-    with torch.no_grad():
-        parts = hierarchical_all_reduce(input, intra, inter, config, rpn, planning_stream, call)
-    event = timer.stop()
-    p, size = transport.world, input.element_size()
+    return hierarchical_all_reduce(tensor, intra, inter, config, ranks_per_node, planning_stream, call)
+
+
+def _hierarchical_stats(
+    transport: P2PTransport,
+    tensor: torch.Tensor,
+    parts: list[CollectiveStats],
+    timer: Span,
+    predicted: float,
+    candidates: dict[str, float],
+    exchanges: int,
+) -> CollectiveStats:
+    """One call's stats from the steps' (``exchanges``: the caller's own, before the steps)."""
+    p = transport.world
     statuses = [part._statuses for part in parts if part._statuses is not None]
-    predicted = sum(part.predicted_s for part in parts)
-    stats = CollectiveStats(
-        collective=collective,
+    return CollectiveStats(
+        collective="all_reduce",
         algorithm="hierarchical",
         format=parts[1].format,  # the step that crosses the network
         plan=None,
         predicted_s=predicted,
-        candidates={"hierarchical": predicted},
-        exchanges=sum(part.exchanges for part in parts),
+        candidates=candidates,
+        exchanges=exchanges + sum(part.exchanges for part in parts),
         gather_counts="",
         bytes_sent=sum(part.bytes_sent for part in parts),
-        dense_bytes=(p - 1) * (input.numel() // p) * size * 2,
+        dense_bytes=(p - 1) * (tensor.numel() // p) * tensor.element_size() * 2,
         graph="",
         _statuses=torch.cat(statuses) if statuses else None,
         _timer=timer,
     )
-    _local.stats = stats
-    return CollectiveWork([output], stats, event) if async_op else None
 
 
 def _graphable(config: CollectiveConfig, inp: torch.Tensor, out: torch.Tensor, transport: P2PTransport) -> bool:
@@ -633,6 +657,14 @@ def _run(
     choice, weighed = decide(
         collective, config, key, table, layout, inp.dtype, topology, model, 0 if bounds is not None else 1, factors
     )
+    if choice.algorithm == "hierarchical":  # the steps exchange and plan on the node subgroups
+        parts = _hierarchical_steps(transport, config, topology.ranks_per_node, inp, None)
+        event = timer.stop()
+        if corrections is not None:
+            corrections.called(
+                collective, choice.name, nbytes, choice.predicted_s / factor_of(factors, choice.name), timer
+            )
+        return _hierarchical_stats(transport, inp, parts, timer, choice.predicted_s, weighed, 1), event
     plan = plan_candidate(choice, collective, config, table, layout, inp.dtype, topology)
     sink = StatusSink(inp.device)
     y = out.view(-1)

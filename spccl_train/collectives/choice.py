@@ -31,6 +31,7 @@ from ..formats import Format
 from .chunking import ChunkLayout
 from .config import CollectiveConfig
 from .cost import CostModel
+from . import hierarchical
 from .feedback import factor_of
 from .plan import Plan, bound_reduced_counts, estimate_reduced_counts, plan_all_gather, plan_reduce_scatter
 from .topology import Topology
@@ -43,11 +44,12 @@ class Candidate:
     """One way to run a call, with its predicted time."""
 
     algorithm: str
-    """``"native"``, ``"ring"`` or ``"direct"``."""
+    """``"native"``, ``"ring"``, ``"direct"`` or ``"hierarchical"``."""
     format: Format
     """The sparse format its plan may use (``DENSE`` for native)."""
     plan: Plan | None
-    """Its plan (an all-reduce: the reduce-scatter phase only); ``None`` for native."""
+    """Its plan (an all-reduce: the reduce-scatter phase only); ``None`` for native and hierarchical
+    (whose steps plan themselves)."""
     predicted_s: float
     """The cost model's prediction, planning exchanges included."""
     gather_counts: str = ""
@@ -56,8 +58,8 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        """``"algorithm/format"``, e.g. ``"ring/pici"``."""
-        return f"{self.algorithm}/{self.format.value}"
+        """``"algorithm/format"``, e.g. ``"ring/pici"``; ``"hierarchical"`` (its steps choose their formats)."""
+        return self.algorithm if self.algorithm == "hierarchical" else f"{self.algorithm}/{self.format.value}"
 
 
 def choose(
@@ -125,13 +127,31 @@ def choose(
                     if best_gather is None or predicted < best_gather[0]:
                         best_gather = (predicted, mode)
                 candidates.append(Candidate(algorithm, fmt, plan, best_gather[0], best_gather[1]))
+        if (
+            collective == "all_reduce"
+            and config.algorithm == "auto"
+            and exchanges == 1
+            and layout.numel > 0
+            and hierarchical.applies(topology)
+        ):
+            # after the flat call's exchange, the steps' own (each in its prediction); weighed only
+            # where a step sends sparsely (all native, it is NCCL's work done slower)
+            predicted, sparse = hierarchical.predict(config, counts, layout, dtype, topology, model, choose)
+            if sparse:
+                extra = model.planning(collective, layout.numel, dtype, topology.world, 1)
+                fmt = Format.PICI if config.format == "auto" else Format(config.format)
+                candidates.append(Candidate("hierarchical", fmt, None, predicted + extra))
     if factors:
-        candidates = [dataclasses.replace(c, predicted_s=c.predicted_s * factor_of(factors, c.name)) for c in candidates]
+        candidates = [
+            dataclasses.replace(c, predicted_s=c.predicted_s * factor_of(factors, c.name)) for c in candidates
+        ]
     best = candidates[0]
     for candidate in candidates[1:]:
         # A plan that sends nothing sparse is a dense collective run by SpCCL's own steps, which
         # NCCL's native one does better: with the native candidate weighed, it never wins.
-        dominated = native_weighed and not any(m.sparse for m in candidate.plan.messages())
+        dominated = (
+            native_weighed and candidate.plan is not None and not any(m.sparse for m in candidate.plan.messages())
+        )
         # Leaving native takes a clear predicted win; other ties, up to rounding in the sums, go
         # to the earlier candidate.
         bar = best.predicted_s * ((1 - NATIVE_MARGIN) if best.algorithm == "native" else (1 - 1e-9))

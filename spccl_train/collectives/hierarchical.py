@@ -22,24 +22,31 @@ direct or native) per step from that step's counts. Exact, and bit-identical on 
 Where the flat algorithms send ``~2 x size x min(1, p x density)`` bytes per rank over the network
 once fill-in saturates, this sends ``~2 x size / L x min(1, p x density)``: L times fewer.
 
+``auto`` weighs it against the flat algorithms and the native call for every all-reduce
+planned from counts on a group of several nodes of several ranks (:func:`predict`); it pays the
+flat call's exchange and then its steps' own three. ``CollectiveConfig(algorithm="hierarchical")``
+asks for it outright (no flat exchange). On one node, or with one rank per node, it is the flat call.
+
 Not yet: caller bounds, CUDA graphs (a hierarchical call runs eagerly) and ``planning_group``
-(the subgroups plan on themselves), and a prediction that lets ``auto`` weigh it against the flat
-algorithms; ask for it with ``CollectiveConfig(algorithm="hierarchical")``. On one node, or with
-one rank per node, it is the flat call.
+(the subgroups plan on themselves); all-gather and reduce-scatter.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .chunking import ChunkLayout
 from .config import CollectiveConfig
+from .cost import CostModel
+from .topology import Topology
 
-__all__ = ["check_hierarchy", "hierarchical_all_reduce", "subgroups"]
+__all__ = ["applies", "check_hierarchy", "hierarchical_all_reduce", "predict", "subgroups"]
 
 _subgroups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Per transport (weakly: it lives as long as its group), ``{ranks_per_node: (intra, inter)}``."""
@@ -52,6 +59,62 @@ def check_hierarchy(world: int, ranks_per_node: int | None) -> None:
             f"algorithm='hierarchical' needs nodes of equal size: {world} ranks are not a multiple of "
             f"ranks_per_node={ranks_per_node}; set CollectiveConfig.ranks_per_node to the ranks per node"
         )
+
+
+def applies(topology: Topology) -> bool:
+    """Whether the group has two levels: several nodes, of several ranks each, all equal."""
+    rpn = topology.ranks_per_node
+    return rpn is not None and 1 < rpn < topology.world and topology.world % rpn == 0
+
+
+def predict(
+    config: CollectiveConfig,
+    counts: Sequence[Sequence[int]],
+    layout: ChunkLayout,
+    dtype: torch.dtype,
+    topology: Topology,
+    model: CostModel,
+    weigh: Callable[..., tuple],
+) -> tuple[float, bool]:
+    """The model's time for the hierarchical all-reduce of a flat call's count table (every rank's
+    nonzeros per piece): each step weighed as the flat call it is, by ``weigh``
+    (:func:`~.choice.choose`), on a table drawn from each rank's density, its pieces i.i.d.:
+
+    1. the reduce-scatter of the node with the most nonzeros (nodes run at once; the densest ends last);
+    2. the all-reduce across nodes of one slice, each node at its sum's density
+       ``1 - prod(1 - d)`` over its ranks (fill-in as for independent supports);
+    3. the all-gather inside a node of the slices at the whole sum's density.
+
+    Each step's prediction includes its own planning exchange. Returns the time and whether any
+    step would send sparsely (if none does, it is NCCL's work done slower: it never wins).
+    ``topology`` must satisfy :func:`applies`.
+    """
+    p, local = topology.world, topology.ranks_per_node
+    nodes = p // local
+    padded = -(-layout.numel // local) * local
+    density = [min(1.0, sum(row) / max(1, layout.numel)) for row in counts]
+    by_node = [density[k * local : (k + 1) * local] for k in range(nodes)]
+    node_sum = [1 - math.prod(1 - d for d in ds) for ds in by_node]
+    total = 1 - math.prod(1 - d for d in density)
+    within = dataclasses.replace(config, algorithm="auto", ranks_per_node=None, cuda_graphs=False)
+    across = dataclasses.replace(config, algorithm="auto", ranks_per_node=1, cuda_graphs=False)
+
+    def best(collective: str, cfg: CollectiveConfig, numel: int, world: int, rows: list[float], rpn) -> tuple:
+        sub = ChunkLayout.of(collective, numel, world, layout.channels)
+        sizes = [piece.numel for chunk in sub.pieces for piece in chunk]
+        if collective == "all_gather":  # a row's first pieces are its input's
+            sizes = [piece.numel for piece in sub.pieces[0]] + [0] * (len(sizes) - layout.channels)
+        table = [[round(n * d) for n in sizes] for d in rows]
+        chosen, _ = weigh(collective, cfg, table, sub, dtype, Topology(world, rpn), model)
+        return chosen.predicted_s, chosen.algorithm != "native"
+
+    densest = max(range(nodes), key=lambda k: sum(by_node[k]))
+    steps = [
+        best("reduce_scatter", within, padded, local, by_node[densest], None),
+        best("all_reduce", across, padded // local, nodes, node_sum, 1),
+        best("all_gather", within, padded, local, [total] * local, None),
+    ]
+    return sum(t for t, _ in steps), any(sparse for _, sparse in steps)
 
 
 def subgroups(group: dist.ProcessGroup | None, transport, ranks_per_node: int) -> tuple:
