@@ -1,11 +1,13 @@
-"""The hierarchical all-reduce on gloo with simulated nodes: 4 x 2, 3 x 4 and 2 x 8 ranks.
+"""The hierarchical collectives on gloo with simulated nodes: 4 x 2, 3 x 4 and 2 x 8 ranks.
 
-Each case checks, against the float64 sum of every rank's input: the result within the rounding
-of ``world`` additions, positions zero on every rank exactly zero, and the result bit-identical
-on every rank (up to the sign of zero). Odd lengths (not a multiple of the ranks per node, so the
-slices are padded), every format, float32 and bfloat16, sparsity 0.5 / 0.99 / 1.0, random and
-disjoint supports. Also: it sends no more than the flat direct algorithm where fill-in saturates,
-and bad calls raise the same error on every rank. Inputs are fresh every run (the seed of
+Each all-reduce case checks, against the float64 sum of every rank's input: the result within
+the rounding of ``world`` additions, positions zero on every rank exactly zero, and the result
+bit-identical on every rank (up to the sign of zero). Odd lengths (not a multiple of the ranks
+per node, so the slices are padded), every format, float32 and bfloat16, sparsity 0.5 / 0.99 /
+1.0, random and disjoint supports. The all-gather is exact and the reduce-scatter within the same
+rounding, inputs unchanged. Also: it sends fewer bytes than the flat direct algorithm where
+fill-in saturates, ``auto`` weighs it by the network and runs what it chose, and bad calls raise
+the same error on every rank. Inputs are fresh every run (the seed of
 ``tests/test_collectives.py``, printed on failure, replays them).
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _pool import pool_factory
-from test_collectives import DTYPES, SEED, _check_sum, _digest, _inputs, _seed
+from test_collectives import DTYPES, INT_OF, SEED, _check_sum, _digest, _inputs, _seed
 
 import spccl_train
 from spccl_train.collectives import CollectiveConfig, CostModel, Topology, choose, last_stats
@@ -44,6 +46,18 @@ def _job_hierarchical(rank, world, seed, rpn, cases):
         assert stats.exchanges >= 3 and stats.dense_bytes > 0, (what, stats.exchanges)
         assert stats.decode_status is None or int(stats.decode_status.max()) == 0, what
         digests.append(_digest(out))
+        # the same inputs, gathered and scattered
+        mine = xs[rank].clone()
+        gathered = torch.empty(world * n, dtype=mine.dtype)
+        spccl_train.all_gather_into_tensor(gathered, mine, config=cfg)
+        assert torch.equal(gathered, xs.reshape(-1)), f"{what}: all-gather is not exact"
+        assert last_stats().algorithm == "hierarchical", what
+        chunk = n - n % world
+        shard = torch.empty(chunk // world, dtype=mine.dtype)
+        spccl_train.reduce_scatter_tensor(shard, mine[:chunk], config=cfg)
+        assert torch.equal(mine.view(INT_OF[mine.dtype]), xs[rank].view(INT_OF[mine.dtype])), f"{what}: input modified"
+        _check_sum(shard, xs[:, :chunk].reshape(world, world, -1)[:, rank], f"{what} reduce-scatter")
+        assert last_stats().algorithm == "hierarchical", what
     return digests
 
 
@@ -86,9 +100,10 @@ def test_hierarchical_sends_fewer_bytes_where_fill_in_saturates(pools):
 def _job_bad(rank, world, case):
     x = torch.ones(world * 8)
     try:
-        if case == "reduce_scatter":
-            out = torch.empty(8)
-            spccl_train.reduce_scatter_tensor(out, x, config=CollectiveConfig(algorithm="hierarchical"))
+        if case == "size":  # one rank's tensor is longer: the flat exchange catches it on every rank
+            spccl_train.all_reduce(
+                torch.ones(world * 8 + (rank == 1)), config=CollectiveConfig(algorithm="hierarchical", ranks_per_node=2)
+            )
         elif case == "bounds":
             spccl_train.all_reduce(x, config=CollectiveConfig(algorithm="hierarchical"), bounds=[[8] * world] * world)
         else:
@@ -107,7 +122,7 @@ def _job_bad(rank, world, case):
 @pytest.mark.parametrize(
     "case, message",
     [
-        ("reduce_scatter", "algorithm='hierarchical' is for all_reduce"),
+        ("size", "numel"),
         ("bounds", "bounds= is not supported with algorithm='hierarchical'"),
         ("uneven", "4 ranks are not a multiple of ranks_per_node=3"),
     ],

@@ -45,7 +45,14 @@ from .exchange import (
     exchange_reduced_counts,
 )
 from .feedback import Corrections, factor_of
-from .hierarchical import check_hierarchy, hierarchical_all_reduce, subgroups
+from . import hierarchical
+from .hierarchical import (
+    check_hierarchy,
+    hierarchical_all_gather,
+    hierarchical_all_reduce,
+    hierarchical_reduce_scatter,
+    subgroups,
+)
 from .graphs import graph_key, remember_bounds, remembered_bounds, run_graphed
 from .links import Measured, measured_model
 from .plan import Plan, bound_reduced_counts, plan_all_gather
@@ -331,7 +338,7 @@ def _call(
     if planning_stream is not None and not input.is_cuda:
         planning_stream = None  # CPU work is ordered by the host
     if config.algorithm == "hierarchical":
-        return _hierarchical(collective, output, input, group, transport, async_op, config, planning_stream, bounds)
+        _check_hierarchical(transport, config, bounds)
     with torch.no_grad():
         graphed = _graphable(config, input, output, transport)
         exchanged = (
@@ -355,82 +362,66 @@ def _call(
     return CollectiveWork([output], stats, event) if async_op else None
 
 
-def _hierarchical(
-    collective: str,
-    output: torch.Tensor,
-    input: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    transport: P2PTransport,
-    async_op: bool,
-    config: CollectiveConfig,
-    planning_stream: torch.cuda.Stream | None,
-    bounds: Sequence[Sequence[int]] | None,
-) -> CollectiveWork | None:
-    """``algorithm="hierarchical"`` (:mod:`.hierarchical`): three flat calls on the node subgroups,
-    reported as one call. Argument errors depend only on what every rank shares (the collective,
-    the config, the group), so every rank raises alike."""
-    if collective != "all_reduce":
-        raise ValueError(f"algorithm='hierarchical' is for all_reduce; a {collective} takes 'auto', 'ring' or 'direct'")
+def _check_hierarchical(
+    transport: P2PTransport, config: CollectiveConfig, bounds: Sequence[Sequence[int]] | None
+) -> None:
+    """``algorithm="hierarchical"``'s own argument errors, from what every rank shares (the config
+    and the group), so every rank raises alike before any exchange."""
     if bounds is not None:
         raise ValueError(
             "bounds= is not supported with algorithm='hierarchical' (its steps plan from their own counts); "
             "drop the bounds or use algorithm='auto'"
         )
-    rpn = _ranks_per_node(config, transport)
-    check_hierarchy(transport.world, rpn)
-    flat_config = dataclasses.replace(config, algorithm="auto")
-    if rpn is None or rpn == 1 or rpn >= transport.world or input.numel() == 0:  # one level: the flat call
-        return _call(collective, output, input, group, async_op, flat_config, None, planning_stream)
-    timer = Span(input.device)
-    with torch.no_grad():
-        parts = _hierarchical_steps(transport, config, rpn, input, planning_stream)
-    event = timer.stop()
-    predicted = sum(part.predicted_s for part in parts)
-    stats = _hierarchical_stats(transport, input, parts, timer, predicted, {"hierarchical": predicted}, 0)
-    _local.stats = stats
-    return CollectiveWork([output], stats, event) if async_op else None
+    check_hierarchy(transport.world, _ranks_per_node(config, transport))
 
 
 def _hierarchical_steps(
+    collective: str,
     transport: P2PTransport,
     config: CollectiveConfig,
     ranks_per_node: int,
-    tensor: torch.Tensor,
-    planning_stream: torch.cuda.Stream | None,
+    inp: torch.Tensor,
+    out: torch.Tensor,
 ) -> list[CollectiveStats]:
-    """Run the hierarchical all-reduce's three flat calls on the node subgroups; their stats."""
+    """Run a hierarchical call's flat steps on the node subgroups (:mod:`.hierarchical`); their stats."""
     intra, inter = subgroups(transport.group, transport, ranks_per_node)
 
-    def call(coll: str, out: torch.Tensor, inp: torch.Tensor, grp, cfg: CollectiveConfig, stream) -> CollectiveStats:
-        _call(coll, out, inp, grp, False, cfg, planning_stream=stream)
+    def call(coll: str, o: torch.Tensor, i: torch.Tensor, grp, cfg: CollectiveConfig) -> CollectiveStats:
+        _call(coll, o, i, grp, False, cfg)
         return _local.stats
 
-    return hierarchical_all_reduce(tensor, intra, inter, config, ranks_per_node, planning_stream, call)
+    if collective == "all_reduce":
+        return hierarchical_all_reduce(inp, intra, inter, config, ranks_per_node, call)
+    if collective == "all_gather":
+        return hierarchical_all_gather(out, inp, intra, inter, config, ranks_per_node, call)
+    return hierarchical_reduce_scatter(out, inp, intra, inter, config, ranks_per_node, call)
 
 
 def _hierarchical_stats(
+    collective: str,
     transport: P2PTransport,
-    tensor: torch.Tensor,
+    chunk: int,
+    element_size: int,
     parts: list[CollectiveStats],
     timer: Span,
     predicted: float,
     candidates: dict[str, float],
-    exchanges: int,
 ) -> CollectiveStats:
-    """One call's stats from the steps' (``exchanges``: the caller's own, before the steps)."""
+    """One call's stats from its steps' (after the flat exchange: one more). ``chunk``: elements
+    per rank's chunk, for the dense ring's bytes."""
     p = transport.world
     statuses = [part._statuses for part in parts if part._statuses is not None]
     return CollectiveStats(
-        collective="all_reduce",
+        collective=collective,
         algorithm="hierarchical",
-        format=parts[1].format,  # the step that crosses the network
+        format=parts[0 if collective == "all_gather" else 1].format,  # the step that crosses the network
         plan=None,
         predicted_s=predicted,
         candidates=candidates,
-        exchanges=exchanges + sum(part.exchanges for part in parts),
+        exchanges=1 + sum(part.exchanges for part in parts),
         gather_counts="",
         bytes_sent=sum(part.bytes_sent for part in parts),
-        dense_bytes=(p - 1) * (tensor.numel() // p) * tensor.element_size() * 2,
+        dense_bytes=(p - 1) * chunk * element_size * (2 if collective == "all_reduce" else 1),
         graph="",
         _statuses=torch.cat(statuses) if statuses else None,
         _timer=timer,
@@ -441,6 +432,7 @@ def _graphable(config: CollectiveConfig, inp: torch.Tensor, out: torch.Tensor, t
     """A call ``cuda_graphs`` applies to; others (and bad arguments, which the eager path reports) run eagerly."""
     return (
         config.cuda_graphs
+        and config.algorithm != "hierarchical"
         and inp.is_cuda
         and out.device == inp.device
         and inp.is_contiguous()
@@ -653,18 +645,32 @@ def _run(
     if bounds is not None and _graphable(config, inp, out, transport):  # replayed: no host cost per launch
         model, key = model.replayed(), f"{key}|replayed"
     nbytes = layout.numel * inp.element_size()
+    chunk = layout.numel // p
+    if config.algorithm == "hierarchical":  # asked for: run its steps, unless the group has one level
+        if hierarchical.applies(topology) and layout.numel > 0:
+            parts = _hierarchical_steps(collective, transport, config, topology.ranks_per_node, inp, out)
+            event = timer.stop()
+            predicted = sum(part.predicted_s for part in parts) + model.planning(collective, layout.numel, inp.dtype, p)
+            stats = _hierarchical_stats(
+                collective, transport, chunk, inp.element_size(), parts, timer, predicted, {"hierarchical": predicted}
+            )
+            return stats, event
+        config = dataclasses.replace(config, algorithm="auto")  # (the memo key keeps "hierarchical")
     factors = corrections.factors_for(collective, nbytes) if corrections is not None else None
     choice, weighed = decide(
         collective, config, key, table, layout, inp.dtype, topology, model, 0 if bounds is not None else 1, factors
     )
-    if choice.algorithm == "hierarchical":  # the steps exchange and plan on the node subgroups
-        parts = _hierarchical_steps(transport, config, topology.ranks_per_node, inp, None)
+    if choice.algorithm == "hierarchical":  # auto chose it: the steps exchange and plan on the node subgroups
+        parts = _hierarchical_steps(collective, transport, config, topology.ranks_per_node, inp, out)
         event = timer.stop()
         if corrections is not None:
             corrections.called(
                 collective, choice.name, nbytes, choice.predicted_s / factor_of(factors, choice.name), timer
             )
-        return _hierarchical_stats(transport, inp, parts, timer, choice.predicted_s, weighed, 1), event
+        stats = _hierarchical_stats(
+            collective, transport, chunk, inp.element_size(), parts, timer, choice.predicted_s, weighed
+        )
+        return stats, event
     plan = plan_candidate(choice, collective, config, table, layout, inp.dtype, topology)
     sink = StatusSink(inp.device)
     y = out.view(-1)

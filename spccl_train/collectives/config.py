@@ -101,9 +101,10 @@ class CollectiveConfig:
     """``"ring"`` (the paper: p-1 steps per phase, formats adapt per step to fill-in),
     ``"direct"`` (reduce-scatter as one all-to-all of compressed chunks, all-gather as one
     exchange of compressed chunks: no fill-in in transit), ``"auto"`` (the cost model picks one of
-    those or the native call), or ``"hierarchical"`` (all-reduce only, for groups spanning nodes:
-    reduce-scatter inside each node, all-reduce of the node sums across nodes, all-gather inside
-    each node, each step a flat call with ``auto``; :mod:`.hierarchical`)."""
+    those or the native call; for all-reduces on groups spanning nodes also the hierarchical one),
+    or ``"hierarchical"`` (groups spanning nodes: an all-reduce reduce-scatters inside each node,
+    all-reduces the node sums across nodes and all-gathers inside each node; an all-gather and a
+    reduce-scatter take their two steps; each step a flat call with ``auto``; :mod:`.hierarchical`)."""
     thresholds: Thresholds = dataclasses.field(default_factory=Thresholds)
     """Sparsity thresholds (intra-node, inter-node, all-gather); unset ones take the chosen
     format's defaults. A mapping with keys ``intra``, ``inter``, ``ag`` is accepted too."""

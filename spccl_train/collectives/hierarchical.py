@@ -1,4 +1,4 @@
-"""The hierarchical all-reduce: reduce inside each node, across nodes, then gather inside each node.
+"""Hierarchical collectives: inside each node, across nodes, inside each node again.
 
 For a group of ``N`` nodes of ``L`` consecutive ranks (``ranks_per_node``), node ``k``'s local
 rank ``l`` being group rank ``k * L + l``:
@@ -13,6 +13,11 @@ rank ``l`` being group rank ``k * L + l``:
    inter-node) decides how sparse to send them.
 3. **All-gather inside the node** of the reduced slices.
 
+The all-gather and the reduce-scatter take the two steps of their kind, with a transpose of
+blocks (one copy) to keep the group's rank order (node-major): an all-gather first across nodes
+(``1 / L`` of the flat algorithms' network bytes), then inside the node; a reduce-scatter first
+inside the node, then across nodes.
+
 Each step is one of the library's flat collectives on a subgroup (made once per group and
 ``ranks_per_node``, with ``torch.distributed.new_group``: every rank takes part in making its own
 two), with the caller's format, thresholds and channels, and ``auto`` choosing algorithm (ring,
@@ -22,13 +27,15 @@ direct or native) per step from that step's counts. Exact, and bit-identical on 
 Where the flat algorithms send ``~2 x size x min(1, p x density)`` bytes per rank over the network
 once fill-in saturates, this sends ``~2 x size / L x min(1, p x density)``: L times fewer.
 
-``auto`` weighs it against the flat algorithms and the native call for every all-reduce
-planned from counts on a group of several nodes of several ranks (:func:`predict`); it pays the
-flat call's exchange and then its steps' own three. ``CollectiveConfig(algorithm="hierarchical")``
-asks for it outright (no flat exchange). On one node, or with one rank per node, it is the flat call.
+``auto`` weighs the all-reduce against the flat algorithms and the native call for every call
+planned from counts on a group of several nodes of several ranks (:func:`predict`).
+``CollectiveConfig(algorithm="hierarchical")`` asks for it outright, for all three collectives.
+Either way the call first makes the flat call's count exchange, which checks every rank's
+arguments against the others' (a bad call raises on every rank before any step), and then its
+steps' own. On one node, or with one rank per node, it is the flat call.
 
-Not yet: caller bounds, CUDA graphs (a hierarchical call runs eagerly) and ``planning_group``
-(the subgroups plan on themselves); all-gather and reduce-scatter.
+Not yet: caller bounds, CUDA graphs (a hierarchical call runs eagerly), ``planning_group`` (the
+subgroups plan on themselves), and ``auto`` weighing the all-gather and reduce-scatter.
 """
 
 from __future__ import annotations
@@ -46,7 +53,15 @@ from .config import CollectiveConfig
 from .cost import CostModel
 from .topology import Topology
 
-__all__ = ["applies", "check_hierarchy", "hierarchical_all_reduce", "predict", "subgroups"]
+__all__ = [
+    "applies",
+    "check_hierarchy",
+    "hierarchical_all_gather",
+    "hierarchical_all_reduce",
+    "hierarchical_reduce_scatter",
+    "predict",
+    "subgroups",
+]
 
 _subgroups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Per transport (weakly: it lives as long as its group), ``{ranks_per_node: (intra, inter)}``."""
@@ -96,8 +111,7 @@ def predict(
     by_node = [density[k * local : (k + 1) * local] for k in range(nodes)]
     node_sum = [1 - math.prod(1 - d for d in ds) for ds in by_node]
     total = 1 - math.prod(1 - d for d in density)
-    within = dataclasses.replace(config, algorithm="auto", ranks_per_node=None, cuda_graphs=False)
-    across = dataclasses.replace(config, algorithm="auto", ranks_per_node=1, cuda_graphs=False)
+    within, across = _within(config), _across(config)
 
     def best(collective: str, cfg: CollectiveConfig, numel: int, world: int, rows: list[float], rpn) -> tuple:
         sub = ChunkLayout.of(collective, numel, world, layout.channels)
@@ -140,13 +154,13 @@ def hierarchical_all_reduce(
     inter: dist.ProcessGroup,
     config: CollectiveConfig,
     local_world: int,
-    planning_stream: torch.cuda.Stream | None,
     call: Callable[..., object],
 ) -> list:
     """Sum ``tensor`` over the group in the three steps above; returns the steps' stats.
 
-    ``call(collective, output, input, group, config, planning_stream)`` runs one flat collective
-    synchronously on the current stream and returns its stats (the API's own entry point).
+    ``call(collective, output, input, group, config)`` runs one flat collective synchronously on
+    the current stream and returns its stats (the API's own entry point). The flat exchange
+    before it made the current stream wait for any planning stream.
     """
     flat = tensor.view(-1)
     n = flat.numel()
@@ -156,11 +170,62 @@ def hierarchical_all_reduce(
         work = torch.zeros(padded, dtype=flat.dtype, device=flat.device)
         work[:n].copy_(flat)
     piece = torch.empty(padded // local_world, dtype=flat.dtype, device=flat.device)
-    within = dataclasses.replace(config, algorithm="auto", ranks_per_node=None, cuda_graphs=False)
-    across = dataclasses.replace(config, algorithm="auto", ranks_per_node=1, cuda_graphs=False)
-    stats = [call("reduce_scatter", piece, work, intra, within, planning_stream)]
-    stats.append(call("all_reduce", piece, piece, inter, across, None))
-    stats.append(call("all_gather", work, piece, intra, within, None))
+    within, across = _within(config), _across(config)
+    stats = [call("reduce_scatter", piece, work, intra, within)]
+    stats.append(call("all_reduce", piece, piece, inter, across))
+    stats.append(call("all_gather", work, piece, intra, within))
     if work is not flat:
         flat.copy_(work[:n])
     return stats
+
+
+def hierarchical_all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    intra: dist.ProcessGroup,
+    inter: dist.ProcessGroup,
+    config: CollectiveConfig,
+    local_world: int,
+    call: Callable[..., object],
+) -> list:
+    """Gather every rank's ``input`` into ``output`` (group rank order): across nodes among the
+    ranks of this local rank, then inside the node, then the blocks back to rank order."""
+    m = input.numel()
+    nodes = output.numel() // (m * local_world)
+    across = torch.empty(nodes * m, dtype=input.dtype, device=input.device)  # [node][m], this local rank's
+    stats = [call("all_gather", across, input.reshape(-1), inter, _across(config))]
+    gathered = torch.empty(output.numel(), dtype=input.dtype, device=input.device)  # [local rank][node][m]
+    stats.append(call("all_gather", gathered, across, intra, _within(config)))
+    output.view(nodes, local_world, m).copy_(gathered.view(local_world, nodes, m).transpose(0, 1))
+    return stats
+
+
+def hierarchical_reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    intra: dist.ProcessGroup,
+    inter: dist.ProcessGroup,
+    config: CollectiveConfig,
+    local_world: int,
+    call: Callable[..., object],
+) -> list:
+    """Sum ``input`` over the group, leaving this rank's chunk in ``output``: the chunks reordered
+    by local rank (a copy: ``input`` is never modified), reduced inside the node (local rank ``l``
+    gets its node's sums of the chunks of local rank ``l`` on every node), then across nodes."""
+    m = output.numel()
+    nodes = input.numel() // (m * local_world)
+    ordered = input.reshape(nodes, local_world, m).transpose(0, 1).contiguous().view(-1)  # [local rank][node][m]
+    node_sums = torch.empty(nodes * m, dtype=input.dtype, device=input.device)
+    stats = [call("reduce_scatter", node_sums, ordered, intra, _within(config))]
+    stats.append(call("reduce_scatter", output.view(-1), node_sums, inter, _across(config)))
+    return stats
+
+
+def _within(config: CollectiveConfig) -> CollectiveConfig:
+    """A step inside one node: the flat algorithms and native, no nodes."""
+    return dataclasses.replace(config, algorithm="auto", ranks_per_node=None, cuda_graphs=False)
+
+
+def _across(config: CollectiveConfig) -> CollectiveConfig:
+    """A step among one rank per node: every hop inter-node."""
+    return dataclasses.replace(config, algorithm="auto", ranks_per_node=1, cuda_graphs=False)
