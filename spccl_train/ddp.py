@@ -275,6 +275,15 @@ class SparseHookState:
         overlap = self.overlap if self.overlap is not None else on_cuda
         return not overlap or (overlap == "stream" and not on_cuda)
 
+    def waits_for_pruning(self, on_cuda: bool) -> bool:
+        """Whether the hook's caller (the backward pass) waits for the pruning: in line
+        (:meth:`in_line`), or ``"stream"`` on CUDA planning from exchanged counts (no
+        ``capacity_factor``): the planning exchange waits on the host for the side stream's
+        pruning and count before the hook returns."""
+        if self.in_line(on_cuda):
+            return True
+        return on_cuda and self.overlap == "stream" and self.capacity_factor is None
+
     def bounded(self, index: int, numel: int) -> bool:
         """True when bucket ``index`` of ``numel`` elements is all-reduced from bounds (no host synchronisation)."""
         return self.capacity_factor is not None and (index, numel) in self._validated

@@ -341,3 +341,15 @@ def test_destroy_frees_the_group_when_the_hook_module_came_first(tmp_path):
     if run("hook-module-after-init") == "freed":
         pytest.skip("this torch frees the group even when DDP binds it after init")
     assert run("hook-module-first") == "freed"
+
+
+def test_the_backward_pass_waits_for_pruning_in_line_and_when_a_side_stream_plans_from_counts():
+    def waits(overlap, capacity_factor, on_cuda):
+        state = SparseHookState(density=0.01, overlap=overlap, capacity_factor=capacity_factor)
+        return state.waits_for_pruning(on_cuda)
+
+    assert waits(False, None, True) and waits(False, 4.0, False)  # in line
+    assert waits("stream", None, False)  # no side stream on CPU: in line
+    assert waits("stream", None, True)  # the planning exchange waits on the host for the side stream's pruning
+    assert not waits("stream", 4.0, True)  # from bounds: nothing waits for the side stream
+    assert not waits(True, None, True) and not waits(None, None, True)  # a background thread waits instead

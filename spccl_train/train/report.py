@@ -25,7 +25,7 @@ BREAKDOWN: tuple[tuple[str, str, str], ...] = (
         "communication",
         "gradient reduction the step waited for: in the comm hook, and at the end of backward",
     ),
-    ("prune_inline", "pruning", "top-k pruning with error feedback, in line with the backward pass"),
+    ("prune_inline", "pruning", "top-k pruning with error feedback that the backward pass waited for"),
     ("optimizer", "optimizer", "gradient clipping, optimizer step, zero_grad"),
     ("other", "other", "rest of the wall time: end-of-iteration synchronisation, timer reads"),
 )

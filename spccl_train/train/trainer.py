@@ -2,8 +2,8 @@
 
 Per iteration it records wall time (the device synchronised at the end of each iteration) and
 splits it into the parts of :data:`BREAKDOWN`, which add up to it: data, forward, backward
-compute, the communication the step waited for, pruning in line with the backward pass, the
-optimizer, and the rest. It also records the DDP hook's own totals (all-reduce time from issue
+compute, the communication the step waited for, the pruning it waited for, the optimizer, and
+the rest. It also records the DDP hook's own totals (all-reduce time from issue
 to completion summed over buckets, pruning time), the loss averaged over ranks, achieved density
 and bytes sent. Runs are written to ``<output.dir>/<name>/``: ``config.yaml``,
 ``iterations.csv``, ``summary.json`` and ``report.png``.
@@ -330,9 +330,9 @@ def _hook(
 ) -> tuple[spccl_ddp.DenseHookState | spccl_ddp.SparseHookState, TimedHook, bool]:
     """Register the dense or sparse comm hook, wrapped in a :class:`TimedHook`.
 
-    Returns the hook's state, the wrapper, and whether the hook prunes in line with the backward
-    pass (on the training stream, or on CPU the training thread), so that its pruning time is
-    time the backward pass waited for.
+    Returns the hook's state, the wrapper, and whether the backward pass waits for the hook's
+    pruning (:meth:`~spccl_train.ddp.SparseHookState.waits_for_pruning`: in line, or on a side
+    stream that the planning exchange waits for), so that its pruning time is time waited for.
     """
     s = cfg.spccl
     if not s.enabled:
@@ -355,10 +355,7 @@ def _hook(
     )
     timed = TimedHook(state, spccl_ddp.sparse_allreduce_hook, timeline)
     model.register_comm_hook(timed, timed_hook)
-    # Known limit: with "stream" on CUDA and no capacity_factor, the hook's planning exchange
-    # waits on the host for the side stream's pruning, which the breakdown then counts as
-    # communication (bounded buckets, as the shipped GPU configs use, make no exchange).
-    return state, timed, s.prune and state.in_line(next(model.parameters()).is_cuda)
+    return state, timed, s.prune and state.waits_for_pruning(next(model.parameters()).is_cuda)
 
 
 def _run_name(cfg: ExperimentConfig, config_name: str, engine: str = "") -> str:
@@ -424,7 +421,7 @@ def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pa
         gradient_as_bucket_view=True,
     )
     timeline = Timeline(device)
-    state, timed, prunes_inline = _hook(cfg, ddp_model, local_world, timeline)
+    state, timed, waits_for_pruning = _hook(cfg, ddp_model, local_world, timeline)
     links = announce_links(cfg, rank, world, local_world, device)
     optimizer = make_optimizer(model.parameters(), cfg.optim)
     precision, autocast = _autocast(cfg, device)
@@ -464,7 +461,7 @@ def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pa
             since(t_step),
             elapsed,
             [(since(called), since(returned)) for called, returned in timed.spans],
-            hook.prune_seconds if prunes_inline else 0.0,
+            hook.prune_seconds if waits_for_pruning else 0.0,
         )
         log.record(
             step,
