@@ -140,8 +140,8 @@ _PATTERNS = ("iid", "identical", "disjoint", "clustered")
 _SPCCL_METHODS = ("auto/auto", "pici/ring", "pici/direct", "coo/ring", "coo/direct", "auto/ring", "auto/direct")
 _METHODS = ("nccl", "naive_coo", *_SPCCL_METHODS)
 _ON_REQUEST = ("pici/hierarchical", "coo/hierarchical", "auto/hierarchical")
-"""Methods run only when named (all-reduce only): the hierarchical all-reduce needs nodes
-(``--ranks-per-node`` or ``--emulate-nodes`` with several ranks per node)."""
+"""Methods run only when named: the hierarchical collectives need nodes (``--ranks-per-node`` or
+``--emulate-nodes`` with several ranks per node; with one level they are the flat call)."""
 _DEFAULT_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5)
 _LARGE = 256 << 20
 _COMPARE_CHUNK = 1 << 26  # elements per slice when comparing, to bound the temporaries
@@ -342,7 +342,7 @@ def _settings(argv: list[str] | None) -> _Settings:
         "--methods",
         type=_list_of(_choice((*_METHODS, *_ON_REQUEST), "method"), _METHODS),
         default=list(_METHODS),
-        help=f"some of {','.join(_METHODS)}, or all (default all); also {','.join(_ON_REQUEST)} (all-reduce only)",
+        help=f"some of {','.join(_METHODS)}, or all (default all); also {','.join(_ON_REQUEST)} (on request)",
     )
     parser.add_argument(
         "--sizes",
@@ -927,8 +927,6 @@ def _run_case(case: _Case, methods: list[_Method], env: _Env, settings: _Setting
     rows: list[_Row] = []
     base: dict[str, _Row] = {}
     for method in methods:
-        if method.algorithm == "hierarchical" and case.collective != "all_reduce":
-            continue
         row = _measure(method, case, env, settings)
         if "nccl" in base and base["nccl"].predicted_ms is None:
             base["nccl"].predicted_ms = row.native_predicted_ms

@@ -5,7 +5,8 @@
 #   bash bench/device_session.sh sweep 2 4        # emulated-node collective sweeps: 2 ranks, then 4, on GPU 0
 #   bash bench/device_session.sh train            # GPT-2 (MODEL=...) with 2 ranks on GPU 0 as 2 emulated nodes:
 #                                                 # the shipped SpCCL config, then dense, 100 iterations each
-#   bash bench/device_session.sh gpus             # one rank per GPU: all-reduce sweep as emulated nodes, then NVLink
+#   bash bench/device_session.sh gpus             # one rank per GPU: all-reduce sweep as emulated nodes (n x 1, and
+#                                                 # on 4+ GPUs 2 x n/2 with the hierarchical all-reduce), then NVLink
 # TRAIN (default "spccl dense") picks the training runs; MODEL (default GPT-2 large, the largest GPT-2 of
 # which two ranks fit one 80 GB GPU) overrides the model of the GPT-2 XL configs.
 # Stages run in order; a failing stage is reported and the next one still runs; the exit status is
@@ -77,6 +78,11 @@ while [ $# -gt 0 ]; do
       n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
       stage "sweep_gpus_${n}x1" torchrun --standalone --nproc-per-node="$n" bench/bench_collectives.py \
         --emulate-nodes "$n" "${sweep_grid[@]}" --sizes 256M,1G --dtype "${DTYPES:-fp32,bf16}" --time-limit-s 150
+      if [ "$n" -ge 4 ]; then  # 2 nodes of n/2 GPUs: the hierarchical all-reduce against the flat ones
+        stage "sweep_gpus_2x$((n / 2))" torchrun --standalone --nproc-per-node="$n" bench/bench_collectives.py \
+          --emulate-nodes 2 "${sweep_grid[@]}" --methods "${METHODS:-nccl,auto/auto,pici/ring,pici/direct,coo/ring,coo/direct},pici/hierarchical,coo/hierarchical" \
+          --sizes 256M,1G --dtype "${DTYPES:-fp32,bf16}" --time-limit-s 200
+      fi
       stage "sweep_gpus_nvlink" torchrun --standalone --nproc-per-node="$n" bench/bench_collectives.py \
         "${sweep_grid[@]}" --sizes 256M,1G --dtype "${DTYPES:-fp32,bf16}" --time-limit-s 100
       shift

@@ -119,3 +119,14 @@ def test_bounds_bench_redraws_its_heatmaps(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     if importlib.util.find_spec("matplotlib") is not None:
         assert path.with_suffix(".png").stat().st_size > 0
+
+
+def test_hierarchical_methods_run_on_request(tmp_path):
+    # 2 ranks as 2 nodes of 1: one level, so the flat call runs (the plumbing, not the algorithm:
+    # tests/test_hierarchical.py checks that on 4 x 2, 3 x 4 and 2 x 8 ranks)
+    rows = _run(
+        tmp_path, "--methods", "nccl,coo/hierarchical", "--ranks-per-node", "1", "--patterns", "iid", "--no-plot"
+    )
+    assert {r["method"] for r in rows} == {"nccl", "coo/hierarchical"}
+    assert {r["collective"] for r in rows} == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert all(r["verified"] == "True" for r in rows)
