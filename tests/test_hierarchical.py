@@ -1,4 +1,5 @@
-"""The hierarchical collectives on gloo with simulated nodes: 4 x 2, 3 x 4 and 2 x 8 ranks.
+"""The hierarchical collectives on gloo with simulated nodes: 4 x 2, 3 x 4 and 2 x 8 ranks (and the
+flat ring and direct algorithms on the same nodes, every collective and format).
 
 Each all-reduce case checks, against the float64 sum of every rank's input: the result within
 the rounding of ``world`` additions, positions zero on every rank exactly zero, and the result
@@ -13,10 +14,12 @@ the same error on every rank. Inputs are fresh every run (the seed of
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from _pool import pool_factory
-from test_collectives import DTYPES, INT_OF, SEED, _check_sum, _digest, _inputs, _seed
+from test_collectives import DTYPES, INT_OF, SEED, _check_sum, _digest, _inputs, _lengths, _run_one, _seed
 
 import spccl_train
 from spccl_train.collectives import CollectiveConfig, CostModel, Topology, choose, last_stats
@@ -187,3 +190,33 @@ def test_auto_runs_the_hierarchical_all_reduce_it_chose(pools):
     algorithm, exchanges, _ = got[0]
     # the flat exchange, then one per step (the step across nodes may measure its gather phase: one more)
     assert algorithm == "hierarchical" and exchanges in (4, 5), got[0]
+
+
+# ----------------------------------------------------------------------------- flat algorithms on the same nodes
+
+
+def _job_flat_on_nodes(rank, world, seed, rpn):
+    """Every collective, flat algorithm and format on simulated nodes (the plan rules re-derived from
+    the data by tests/test_collectives.py's checks); all-reduce digests for the cross-rank check."""
+    digests = []
+    for i, (collective, algorithm, fmt) in enumerate(
+        itertools.product(
+            ("all_reduce", "reduce_scatter", "all_gather"), ("ring", "direct"), ("pici", "coo", "dense", "auto")
+        )
+    ):
+        sparsity, support = ((0.99, "random"), (0.5, "disjoint"))[i % 2]
+        dtype = ("fp32", "bf16")[i // 2 % 2]
+        (n, channels) = _lengths(collective, world)[i % 2]
+        what = f"{world // rpn}x{rpn} {collective} {algorithm} {fmt} {dtype} {sparsity} {support} n={n}"
+        xs = _inputs(_seed(seed, i), world, n, DTYPES[dtype], sparsity, support)
+        cfg = CollectiveConfig(format=fmt, algorithm=algorithm, ranks_per_node=rpn, channels=channels)
+        digest = _run_one(rank, world, collective, xs, cfg, what)
+        if collective == "all_reduce":
+            digests.append(digest)
+    return digests
+
+
+@pytest.mark.parametrize("world, rpn", [(8, 2), (12, 4), (16, 8)])
+def test_flat_algorithms_on_simulated_nodes(pools, world, rpn):
+    got = pools(world).run(_job_flat_on_nodes, _seed("flat on nodes", world), rpn)
+    assert all(g == got[0] for g in got), "all-reduce results differ between ranks"
