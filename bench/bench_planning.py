@@ -165,7 +165,9 @@ def model_rows(args: argparse.Namespace) -> list[dict]:
             table = _table(layout, 1 - args.sparsity / 100, seed=world)
             clear_decisions()
             start = time.perf_counter()
-            _, weighed = decide("all_reduce", config, "model", table, layout, torch.float32, topology, model)
+            _, weighed = decide(
+                "all_reduce", config, "model", table, layout, torch.float32, topology, model, default_group=True
+            )
             per_p2 = max(per_p2, (time.perf_counter() - start) / (world * world))
             sparse = {name: t for name, t in weighed.items() if name not in ("native/dense", "hierarchical")}
             best = min(sparse, key=sparse.get)

@@ -15,9 +15,11 @@ the same error on every rank. Inputs are fresh every run (the seed of
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from _pool import pool_factory
 from test_collectives import DTYPES, INT_OF, SEED, _check_sum, _digest, _inputs, _lengths, _run_one, _seed
 
@@ -46,7 +48,8 @@ def _job_hierarchical(rank, world, seed, rpn, cases):
         _check_sum(out, xs, what)
         stats = work.stats
         assert stats is last_stats() and stats.algorithm == "hierarchical", what
-        assert stats.exchanges >= 3 and stats.dense_bytes > 0, (what, stats.exchanges)
+        # the flat exchange, then one per step (one more where a step measures its gather phase)
+        assert stats.exchanges >= 4 and stats.dense_bytes > 0, (what, stats.exchanges)
         assert stats.decode_status is None or int(stats.decode_status.max()) == 0, what
         digests.append(_digest(out))
         # the same inputs, gathered and scattered
@@ -81,7 +84,7 @@ def test_hierarchical_all_reduce_is_exact_and_identical_on_every_rank(pools, wor
 
 def _job_bytes(rank, world, seed, rpn):
     """Where fill-in saturates (each rank 20% dense, 8 ranks), the network carries the node sums
-    once: hierarchical sends fewer inter-node bytes than the flat direct algorithm."""
+    once: hierarchical sends fewer bytes in all (inside nodes and across) than the flat direct algorithm."""
     n = world * 4096
     xs = _inputs(_seed(seed, "bytes"), world, n, torch.float32, 0.8, "random")
     sent = {}
@@ -107,6 +110,15 @@ def _job_bad(rank, world, case):
             spccl_train.all_reduce(
                 torch.ones(world * 8 + (rank == 1)), config=CollectiveConfig(algorithm="hierarchical", ranks_per_node=2)
             )
+        elif case == "subgroup":  # every rank, but not the default group: no subgroups can be made of it
+            group = dist.new_group(list(range(world)))
+            spccl_train.all_reduce(x, group=group, config=CollectiveConfig(algorithm="hierarchical", ranks_per_node=2))
+        elif case == "environment":  # the launch tells ranks different node sizes
+            os.environ["SPCCL_RANKS_PER_NODE"] = "2" if rank < 2 else "1"
+            try:
+                spccl_train.all_reduce(x, config=CollectiveConfig(algorithm="hierarchical"))
+            finally:
+                del os.environ["SPCCL_RANKS_PER_NODE"]
         elif case == "bounds":
             spccl_train.all_reduce(x, config=CollectiveConfig(algorithm="hierarchical"), bounds=[[8] * world] * world)
         else:
@@ -126,6 +138,8 @@ def _job_bad(rank, world, case):
     "case, message",
     [
         ("size", "numel"),
+        ("subgroup", "runs on the default group only"),
+        ("environment", "config"),
         ("bounds", "bounds= is not supported with algorithm='hierarchical'"),
         ("uneven", "4 ranks are not a multiple of ranks_per_node=3"),
     ],
@@ -156,9 +170,8 @@ def _model(inter_bandwidth: float) -> CostModel:
 def _weigh(world, rpn, density, inter_bandwidth, numel=1 << 24):
     layout = ChunkLayout.of("all_reduce", numel, world)
     table = [[round(density * p.numel) for chunk in layout.pieces for p in chunk] for _ in range(world)]
-    return choose(
-        "all_reduce", CollectiveConfig(), table, layout, torch.float32, Topology(world, rpn), _model(inter_bandwidth)
-    )
+    topology, model = Topology(world, rpn), _model(inter_bandwidth)
+    return choose("all_reduce", CollectiveConfig(), table, layout, torch.float32, topology, model, default_group=True)
 
 
 def test_auto_weighs_the_hierarchical_all_reduce_by_the_network():
@@ -172,6 +185,11 @@ def test_auto_weighs_the_hierarchical_all_reduce_by_the_network():
     assert fast_best.algorithm != "hierarchical" and "hierarchical" not in fast, fast
     # one node, or one rank per node: not weighed
     assert "hierarchical" not in _weigh(8, None, 0.05, 2e9)[1] and "hierarchical" not in _weigh(8, 1, 0.05, 2e9)[1]
+    # a call on a subgroup: its subgroups cannot be made, so it is not weighed
+    layout = ChunkLayout.of("all_reduce", 1 << 24, 32)
+    table = [[round(0.05 * p.numel) for chunk in layout.pieces for p in chunk] for _ in range(32)]
+    _, weighed = choose("all_reduce", CollectiveConfig(), table, layout, torch.float32, Topology(32, 8), _model(2e9))
+    assert "hierarchical" not in weighed
 
 
 def _job_auto_hierarchical(rank, world, seed, rpn):

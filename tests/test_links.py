@@ -303,6 +303,12 @@ def test_unobserved_sparse_candidates_take_a_share_of_what_the_observed_ones_lea
         d.learn([d.report()])
     assert feedback.UNOBSERVED not in d.factors_for("all_reduce", nbytes)
     assert feedback.factor_of(d.factors_for("all_reduce", nbytes), "ring/pici") == 1.0
+    # a kind observed for the first time starts learning from the share it was weighed with
+    share = factors[feedback.UNOBSERVED]
+    for _ in range(2):  # warm-up, then an observation at exactly its weighed prediction
+        c.called("all_reduce", "direct/coo", nbytes, 0.01, _Done(0.01 * share))
+        c.learn([c.report()])
+    assert c.factors_for("all_reduce", nbytes)["direct/coo"] == pytest.approx(share, rel=1e-6)
 
 
 def test_the_slowest_rank_is_the_calls_time():

@@ -492,6 +492,8 @@ def test_capacity_factor_gives_way_to_exact_sizes_across_nodes(monkeypatch):
     keep = C.load_config(None, [*bounded, "spccl.exact_across_nodes=false"])
     assert T.capacity_factor(keep, local_world=2) == 4.0 and T.collective_config(keep, local_world=2).cuda_graphs
     assert T.capacity_factor(C.load_config(None), local_world=2) is None  # 0: exchanged counts everywhere
+    hierarchical = C.load_config(None, [*bounded, "spccl.algorithm=hierarchical", "spccl.exact_across_nodes=false"])
+    assert T.capacity_factor(hierarchical, local_world=2) is None  # its steps take no bounds
 
 
 @pytest.mark.parametrize(
@@ -510,3 +512,11 @@ def test_emulation_errors_are_said_once_before_any_rank_starts(overrides, env, m
     monkeypatch.setattr(T, "launch", lambda *a: pytest.fail("a rank was started"))
     assert cli.main(overrides) == 2
     assert message in capsys.readouterr().err
+
+
+def test_text_files_split_into_lines_as_the_datasets_text_loader_does(tmp_path):
+    from spccl_train.train.data import _load_lines
+
+    path = tmp_path / "t.txt"
+    path.write_bytes("a\u2028b\x0bc\nd\r\ne\rf\n".encode())  # only newlines split (universal newlines on read)
+    assert _load_lines([path], tmp_path) == ["a\u2028b\x0bc", "d", "e", "f"]  # what datasets' loader gives

@@ -366,13 +366,18 @@ def _check_hierarchical(
     transport: P2PTransport, config: CollectiveConfig, bounds: Sequence[Sequence[int]] | None
 ) -> None:
     """``algorithm="hierarchical"``'s own argument errors, from what every rank shares (the config
-    and the group), so every rank raises alike before any exchange."""
+    and the group), so every rank raises alike before any exchange. (Unequal nodes are found after
+    the exchange, which compares every rank's ``ranks_per_node``.)"""
     if bounds is not None:
         raise ValueError(
             "bounds= is not supported with algorithm='hierarchical' (its steps plan from their own counts); "
             "drop the bounds or use algorithm='auto'"
         )
-    check_hierarchy(transport.world, _ranks_per_node(config, transport))
+    if not hierarchical.is_world(transport.group) and transport.world > 1:
+        raise ValueError(
+            "algorithm='hierarchical' runs on the default group only (its node subgroups are made from it); "
+            "call it with group=None, or use algorithm='auto' on this group"
+        )
 
 
 def _hierarchical_steps(
@@ -384,7 +389,7 @@ def _hierarchical_steps(
     out: torch.Tensor,
 ) -> list[CollectiveStats]:
     """Run a hierarchical call's flat steps on the node subgroups (:mod:`.hierarchical`); their stats."""
-    intra, inter = subgroups(transport.group, transport, ranks_per_node)
+    intra, inter = subgroups(transport, ranks_per_node)
 
     def call(coll: str, o: torch.Tensor, i: torch.Tensor, grp, cfg: CollectiveConfig) -> CollectiveStats:
         _call(coll, o, i, grp, False, cfg)
@@ -599,7 +604,10 @@ def _run(
 ) -> tuple[CollectiveStats, torch.cuda.Event | None]:
     p, r = transport.world, transport.rank
     timer = Span(inp.device)
-    fingerprint = config.fingerprint()
+    # The nodes as this rank resolves them (from the environment when the config leaves them
+    # open) go into the exchanged config code, so ranks that disagree raise alike.
+    nodes = f"|nodes of {_ranks_per_node(config, transport)}"
+    fingerprint = config.fingerprint() + nodes
     request, problems, aliased, layout = _request(collective, transport, config, fingerprint, inp, out)
     if p == 1:
         check_table([request.header()], collective, 1, transport.backend)
@@ -634,6 +642,7 @@ def _run(
             )
         if config.gather_counts == "auto":  # nothing to measure: the gather phase is sized from the bounds
             config, fingerprint = _bounded_config(config, fingerprint)
+            fingerprint += nodes
     else:
         table, xdev = _exchange(
             collective, request, layout, x, r, p * config.channels, planner, planning_stream, corrections
@@ -641,12 +650,14 @@ def _run(
     # From here on every rank holds the same valid table and computes the same decisions.
     topology = Topology(p, _ranks_per_node(config, transport))
     measured = _model(config, transport, topology, inp.device)
-    model, key = measured.model, f"{fingerprint}|{measured.tag}"
+    default_group = hierarchical.is_world(transport.group)
+    model, key = measured.model, f"{fingerprint}|{measured.tag}|{'default group' if default_group else 'subgroup'}"
     if bounds is not None and _graphable(config, inp, out, transport):  # replayed: no host cost per launch
         model, key = model.replayed(), f"{key}|replayed"
     nbytes = layout.numel * inp.element_size()
     chunk = layout.numel // p
     if config.algorithm == "hierarchical":  # asked for: run its steps, unless the group has one level
+        check_hierarchy(p, topology.ranks_per_node)  # every rank agreed on the nodes in the exchange
         if hierarchical.applies(topology) and layout.numel > 0:
             parts = _hierarchical_steps(collective, transport, config, topology.ranks_per_node, inp, out)
             event = timer.stop()
@@ -658,12 +669,22 @@ def _run(
         config = dataclasses.replace(config, algorithm="auto")  # (the memo key keeps "hierarchical")
     factors = corrections.factors_for(collective, nbytes) if corrections is not None else None
     choice, weighed = decide(
-        collective, config, key, table, layout, inp.dtype, topology, model, 0 if bounds is not None else 1, factors
+        collective,
+        config,
+        key,
+        table,
+        layout,
+        inp.dtype,
+        topology,
+        model,
+        0 if bounds is not None else 1,
+        factors,
+        default_group,
     )
     if choice.algorithm == "hierarchical":  # auto chose it: the steps exchange and plan on the node subgroups
         parts = _hierarchical_steps(collective, transport, config, topology.ranks_per_node, inp, out)
         event = timer.stop()
-        if corrections is not None:
+        if corrections is not None and not (inp.is_cuda and torch.cuda.is_current_stream_capturing()):
             corrections.called(
                 collective, choice.name, nbytes, choice.predicted_s / factor_of(factors, choice.name), timer
             )

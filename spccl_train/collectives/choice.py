@@ -72,6 +72,7 @@ def choose(
     model: CostModel,
     exchanges: int = 1,
     factors: Mapping[str, float] | None = None,
+    default_group: bool = False,
 ) -> tuple[Candidate, dict[str, float]]:
     """Weigh the candidates ``config`` allows; return the cheapest and every prediction by name.
 
@@ -86,6 +87,8 @@ def choose(
             for a call planned from bounds; an all-reduce that measures its gather phase adds one.
         factors: corrections learned from observed calls (:meth:`.feedback.Corrections.factors_for`):
             each candidate's prediction is multiplied by :func:`.feedback.factor_of`.
+        default_group: the call is on the default group, so an all-reduce across nodes may weigh
+            the hierarchical one (:mod:`.hierarchical`; its subgroups are made from that group).
     """
     native_only = config.format == "dense" and config.algorithm == "auto"
     candidates: list[Candidate] = []
@@ -133,6 +136,7 @@ def choose(
             and exchanges == 1
             and layout.numel > 0
             and hierarchical.applies(topology)
+            and default_group
         ):
             # after the flat call's exchange, the steps' own (each in its prediction); weighed only
             # where a step sends sparsely (all native, it is NCCL's work done slower)
@@ -236,11 +240,12 @@ def decide(
     model: CostModel,
     exchanges: int = 1,
     factors: Mapping[str, float] | None = None,
+    default_group: bool = False,
 ) -> tuple[Candidate, dict[str, float]]:
     """:func:`choose` on the :func:`quantize_counts` of ``counts``, memoised; the candidate comes without a plan.
 
     ``fingerprint`` is ``config.fingerprint()`` plus anything else the cost model depends on
-    (the device type, for the default model). Equal on every rank for equal tables, whatever
+    (the device type, for the default model, and ``default_group``). Equal on every rank for equal tables, whatever
     each rank's memo holds.
     """
     rounded = _quantized(counts, layout, collective)
@@ -262,7 +267,9 @@ def decide(
         if len(_decisions) >= _MAX_DECISIONS:
             _decisions.clear()  # a pure memo: forgetting only costs a recomputation
         table = rounded.tolist()
-        best, weighed = choose(collective, config, table, layout, dtype, topology, model, exchanges, factors)
+        best, weighed = choose(
+            collective, config, table, layout, dtype, topology, model, exchanges, factors, default_group
+        )
         hit = _decisions[key] = (dataclasses.replace(best, plan=None), weighed)
     return hit
 

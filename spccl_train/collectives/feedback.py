@@ -27,8 +27,9 @@ turn (2 ranks on one H100 as 2 emulated nodes, 1 GiB at 90%: four candidates tri
 best fixed one's time). Part, not all: one kind's error is also its own (a candidate that alone
 is slow must still be left). With log factor = shared + own, both parts equally spread, the
 expected shared part after ``n`` observed kinds is ``n / (n + 1)`` of their mean log factor, and
-that is what an unobserved kind takes. The native call keeps its own factor: NCCL's dense
-transfers are not SpCCL's.
+that is what an unobserved kind takes, and what it starts learning from once observed. The native
+call and the hierarchical one keep factors of their own (:data:`OWN_ONLY`): NCCL's dense
+transfers are not SpCCL's, and the hierarchical call's steps mix both.
 
 What it costs: one more int in the exchange's header; learning is O(world) host work per call.
 What it misses: a call whose work is still running at the next exchange (back-to-back calls on
@@ -47,7 +48,17 @@ from collections.abc import Mapping, Sequence
 
 from .._timing import Span
 
-__all__ = ["FACTOR_RANGE", "FAR", "NATIVE", "STEP", "UNOBSERVED", "Corrections", "factor_of", "size_class"]
+__all__ = [
+    "FACTOR_RANGE",
+    "FAR",
+    "NATIVE",
+    "OWN_ONLY",
+    "STEP",
+    "UNOBSERVED",
+    "Corrections",
+    "factor_of",
+    "size_class",
+]
 
 FAR = 1.25
 """A measured time more than this factor away from its prediction (either way) corrects the model."""
@@ -58,7 +69,9 @@ within 3 observations to within :data:`FAR`."""
 FACTOR_RANGE = (1 / 16, 16.0)
 """Bounds of a factor: the model is fitted, not guessed, and stays within this of its figures."""
 NATIVE = "native/dense"
-"""The native call's candidate name: it never takes :data:`UNOBSERVED`."""
+"""The native call's candidate name."""
+OWN_ONLY = frozenset({NATIVE, "hierarchical"})
+"""Candidates that neither give nor take the share of :data:`UNOBSERVED`."""
 UNOBSERVED = "*"
 """Key, in :meth:`Corrections.factors_for`, of the factor of sparse candidates with no
 observation of their own."""
@@ -71,7 +84,7 @@ def factor_of(factors: Mapping[str, float] | None, candidate: str) -> float:
         return 1.0
     if candidate in factors:
         return factors[candidate]
-    return 1.0 if candidate == NATIVE else factors.get(UNOBSERVED, 1.0)
+    return 1.0 if candidate in OWN_ONLY else factors.get(UNOBSERVED, 1.0)
 
 
 def size_class(nbytes: int) -> int:
@@ -107,18 +120,18 @@ class Corrections:
         self.version = 0
         self._pending: _Pending | None = None
 
-    def factors_for(self, collective: str, nbytes: int) -> dict[str, float]:
+    def factors_for(self, collective: str, nbytes: int, size: int | None = None) -> dict[str, float]:
         """The factors of the candidates of one call, by candidate name, for :func:`factor_of`:
         each observed kind's own (1 where its predictions held), and under :data:`UNOBSERVED`
         the geometric mean of the ``n`` observed sparse kinds' to the power ``n / (n + 1)``
-        (absent when none was observed)."""
-        size = size_class(nbytes)
+        (absent when none was observed). ``size``: the size class, instead of ``nbytes``'s."""
+        size = size_class(nbytes) if size is None else size
         own = {
             kind[1]: self.factors.get(kind, 1.0)
             for kind, seen in self.seen.items()
             if seen > 1 and kind[0] == collective and kind[2] == size
         }
-        sparse = [math.log(f) for name, f in own.items() if name != NATIVE]
+        sparse = [math.log(f) for name, f in own.items() if name not in OWN_ONLY]
         if sparse:
             own[UNOBSERVED] = math.exp(sum(sparse) / (len(sparse) + 1))
         return own
@@ -149,8 +162,11 @@ class Corrections:
             return False
         kind = pending.kind
         self.seen[kind] = self.seen.get(kind, 0) + 1
-        if self.seen[kind] == 1:
-            return False  # warm-up
+        if self.seen[kind] == 1:  # warm-up; learning will start from the share it is weighed with now
+            share = self.factors_for(kind[0], 0, size=kind[2]).get(UNOBSERVED)
+            if share is not None and kind[1] not in OWN_ONLY:
+                self.factors[kind] = share
+            return False
         measured = max(times_ns) / 1e9
         old = self.factors.get(kind, 1.0)
         if 1 / FAR <= measured / (pending.predicted_s * old) <= FAR:

@@ -34,8 +34,11 @@ Either way the call first makes the flat call's count exchange, which checks eve
 arguments against the others' (a bad call raises on every rank before any step), and then its
 steps' own. On one node, or with one rank per node, it is the flat call.
 
-Not yet: caller bounds, CUDA graphs (a hierarchical call runs eagerly), ``planning_group`` (the
-subgroups plan on themselves), and ``auto`` weighing the all-gather and reduce-scatter.
+Not yet: groups other than the default one (making subgroups of a subgroup needs every rank of
+the default group, which a call on a subgroup cannot ask for), caller bounds, CUDA graphs (a
+hierarchical call runs eagerly), ``planning_group`` (the steps plan on the subgroups, on the
+current stream: in the DDP hook's ``overlap="stream"`` each step's exchange waits behind the
+previous bucket's transfers), and ``auto`` weighing the all-gather and reduce-scatter.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ __all__ = [
     "hierarchical_all_gather",
     "hierarchical_all_reduce",
     "hierarchical_reduce_scatter",
+    "is_world",
     "predict",
     "subgroups",
 ]
@@ -68,8 +72,9 @@ _subgroups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def check_hierarchy(world: int, ranks_per_node: int | None) -> None:
-    """Raise ``ValueError`` (naming the values and the fix) where nodes are not equal blocks of ranks."""
-    if ranks_per_node is not None and world % ranks_per_node:
+    """Raise ``ValueError`` (naming the values and the fix) where several nodes are not equal
+    blocks of ranks (one node, or one rank per node, is the flat call)."""
+    if ranks_per_node is not None and 1 < ranks_per_node < world and world % ranks_per_node:
         raise ValueError(
             f"algorithm='hierarchical' needs nodes of equal size: {world} ranks are not a multiple of "
             f"ranks_per_node={ranks_per_node}; set CollectiveConfig.ranks_per_node to the ranks per node"
@@ -131,20 +136,30 @@ def predict(
     return sum(t for t, _ in steps), any(sparse for _, sparse in steps)
 
 
-def subgroups(group: dist.ProcessGroup | None, transport, ranks_per_node: int) -> tuple:
-    """``(intra, inter)``: this rank's node, and the ranks of its local rank on every node.
+def is_world(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` is the default group (the only parent the subgroups can be made from)."""
+    return group is None or group == dist.group.WORLD
 
-    Made on first use and kept while the group lives. Collective over the group: every rank makes
-    its two (``use_local_synchronization``: only the members of a subgroup meet to make it).
+
+def subgroups(transport, ranks_per_node: int) -> tuple:
+    """``(intra, inter)`` of this rank: its node, and the ranks of its local rank on every node.
+
+    Made on first use and kept while the group lives. The parent is the default group (checked by
+    the caller), and every rank makes every subgroup, all intra-node ones then all inter-node
+    ones, in one order: ``torch.distributed.new_group`` is collective over the default group (its
+    names come from a counter every rank advances alike, and with a bound NCCL device each is a
+    split every rank joins), so all ranks must reach this together, as they do: every rank of the
+    group makes the same decision. Subgroup rank ``i`` is node ``i`` (inter) or local rank ``i``
+    (intra), as the block transposes of the all-gather and reduce-scatter assume.
     """
     made = _subgroups.setdefault(transport, {})
     if ranks_per_node not in made:
         world, rank = transport.world, transport.rank
-        members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        nodes = world // ranks_per_node
+        intra = [dist.new_group(list(range(k * ranks_per_node, (k + 1) * ranks_per_node))) for k in range(nodes)]
+        inter = [dist.new_group(list(range(i, world, ranks_per_node))) for i in range(ranks_per_node)]
         node, local = divmod(rank, ranks_per_node)
-        intra = [members[node * ranks_per_node + i] for i in range(ranks_per_node)]
-        inter = [members[k * ranks_per_node + local] for k in range(world // ranks_per_node)]
-        made[ranks_per_node] = tuple(dist.new_group(ranks, use_local_synchronization=True) for ranks in (intra, inter))
+        made[ranks_per_node] = (intra[node], inter[local])
     return made[ranks_per_node]
 
 

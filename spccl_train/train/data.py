@@ -132,9 +132,14 @@ def _wikitext_files(paths: list[str]) -> list[pathlib.Path] | None:
 
 def _load_lines(files: list[pathlib.Path], cache: pathlib.Path) -> list[str]:
     """The corpus as lines: text files read directly (the embedded corpus needs no ``datasets``),
+    split as ``datasets``' text loader splits them (universal newlines, then at ``\n`` only),
     parquet files through Hugging Face ``datasets`` (their ``text`` column)."""
     if not any(f.suffix == ".parquet" for f in files):
-        return [line for f in files for line in f.read_text(encoding="utf-8").splitlines()]
+        lines = []
+        for f in files:
+            text = f.read_text(encoding="utf-8")
+            lines += text.split("\n")[: -1 if text.endswith("\n") else None]
+        return lines
     if not all(f.suffix == ".parquet" for f in files):
         raise DataError("data.paths mixes parquet and text files: give one kind")
     import datasets

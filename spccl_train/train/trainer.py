@@ -303,9 +303,12 @@ def _ranks_per_node(cfg: ExperimentConfig, local_world: int) -> int | None:
 def capacity_factor(cfg: ExperimentConfig, local_world: int) -> float | None:
     """The capacity factor both engines reduce with: ``spccl.capacity_factor`` (``None`` for 0),
     except ``None`` where the group spans nodes and ``spccl.exact_across_nodes`` asks for exact
-    sizes on the wire. Needs the process group."""
+    sizes on the wire, and with ``spccl.algorithm=hierarchical`` (whose steps plan from their own
+    counts: it takes no bounds). Needs the process group."""
     s = cfg.spccl
-    if not s.capacity_factor or (s.exact_across_nodes and _ranks_per_node(cfg, local_world) is not None):
+    if not s.capacity_factor or s.algorithm == "hierarchical":
+        return None
+    if s.exact_across_nodes and _ranks_per_node(cfg, local_world) is not None:
         return None
     return s.capacity_factor
 
