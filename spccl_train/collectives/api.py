@@ -27,6 +27,7 @@ from .._timing import Span
 from ..formats import MAX_ELEMENTS, SUPPORTED_DTYPES, Format
 from ..transport import P2PTransport
 from ..transport.dense import all_gather_flat, reduce_scatter_flat
+from . import hierarchical
 from ._direct import direct_all_gather, direct_all_reduce, direct_reduce_scatter
 from ._ring import ring_all_gather, ring_reduce_scatter
 from ._wire import StatusSink
@@ -45,7 +46,7 @@ from .exchange import (
     exchange_reduced_counts,
 )
 from .feedback import Corrections, factor_of
-from . import hierarchical
+from .graphs import graph_key, remember_bounds, remembered_bounds, run_graphed
 from .hierarchical import (
     check_hierarchy,
     hierarchical_all_gather,
@@ -53,7 +54,6 @@ from .hierarchical import (
     hierarchical_reduce_scatter,
     subgroups,
 )
-from .graphs import graph_key, remember_bounds, remembered_bounds, run_graphed
 from .links import Measured, measured_model
 from .plan import Plan, bound_reduced_counts, plan_all_gather
 from .topology import Topology

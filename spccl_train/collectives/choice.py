@@ -28,10 +28,10 @@ import numpy as np
 import torch
 
 from ..formats import Format
+from . import hierarchical
 from .chunking import ChunkLayout
 from .config import CollectiveConfig
 from .cost import CostModel
-from . import hierarchical
 from .feedback import factor_of
 from .plan import Plan, bound_reduced_counts, estimate_reduced_counts, plan_all_gather, plan_reduce_scatter
 from .topology import Topology
