@@ -238,3 +238,26 @@ def _job_flat_on_nodes(rank, world, seed, rpn):
 def test_flat_algorithms_on_simulated_nodes(pools, world, rpn):
     got = pools(world).run(_job_flat_on_nodes, _seed("flat on nodes", world), rpn)
     assert all(g == got[0] for g in got), "all-reduce results differ between ranks"
+
+
+# ----------------------------------------------------------------------------- nodes of a subgroup
+
+
+@pytest.mark.parametrize(
+    "members, launch, expected",
+    [
+        (range(16), 8, 8),  # the world in order
+        (range(16), 16, None),  # one node
+        (range(12), 8, 8),  # a short last node
+        ([0, 4, 8, 12], 8, 2),  # data parallel beside tensor parallel 4
+        ([2, 3, 0, 1], 2, 2),  # nodes in another order
+        ([0, 2, 1, 3], 2, None),  # a node's members apart: not consecutive blocks
+        ([0, 1, 2, 4], 4, 3),  # a short last node
+        ([0, 1, 4, 5, 6, 8], 4, None),  # uneven blocks (2, then 3)
+        ([0, 8], 8, 1),  # one rank per node
+    ],
+)
+def test_a_groups_nodes_come_from_its_members_global_ranks(members, launch, expected):
+    from spccl_train.collectives.api import group_ranks_per_node
+
+    assert group_ranks_per_node(list(members), launch) == expected

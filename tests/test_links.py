@@ -122,14 +122,15 @@ def _job_ranks_per_node_from_env(rank, world):
     sub = dist.new_group([0, 1])
     if rank < 2:
         os.environ["SPCCL_RANKS_PER_NODE"] = "1"
-        found.append(_ranks_per_node(CollectiveConfig(), P2PTransport(sub)))  # a subgroup: one node
+        # a subgroup: its own nodes, from its members' global ranks (one rank per node here)
+        found.append(_ranks_per_node(CollectiveConfig(), P2PTransport(sub)))
         del os.environ["SPCCL_RANKS_PER_NODE"]
     return found
 
 
 def test_topology_follows_the_launch_when_the_config_leaves_it(pools):
     got = pools(4).run(_job_ranks_per_node_from_env)
-    assert got[0] == [None, 4, 2, 4, 1, 4, None]
+    assert got[0] == [None, 4, 2, 4, 1, 4, 1]
 
 
 def test_measured_figures_replace_the_defaults_and_the_rest_stay():

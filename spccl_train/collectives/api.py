@@ -466,17 +466,35 @@ def _transport(group: dist.ProcessGroup | None) -> P2PTransport:
 
 
 def _ranks_per_node(config: CollectiveConfig, transport: P2PTransport) -> int | None:
-    """``config.ranks_per_node``, else (for a group of every rank) what the launch says: emulated
-    nodes' ``SPCCL_RANKS_PER_NODE``, or torchrun's ``LOCAL_WORLD_SIZE``; else one node."""
+    """``config.ranks_per_node``, else what the launch says (emulated nodes'
+    ``SPCCL_RANKS_PER_NODE``, or torchrun's ``LOCAL_WORLD_SIZE``: global ranks
+    ``[k * L, (k + 1) * L)`` share node ``k``), read for this group's members; else one node."""
     if config.ranks_per_node is not None:
         return config.ranks_per_node
-    if transport.world != dist.get_world_size():
-        return None  # a subgroup: the launch's figure describes the whole world, not it
     for name in ("SPCCL_RANKS_PER_NODE", "LOCAL_WORLD_SIZE"):
         value = os.environ.get(name, "")
-        if value.isdigit() and 1 <= int(value) < transport.world:
-            return int(value)
+        if value.isdigit() and int(value) >= 1:
+            return group_ranks_per_node(transport.global_ranks, int(value))
     return None
+
+
+def group_ranks_per_node(global_ranks: Sequence[int], launch_ranks_per_node: int) -> int | None:
+    """A group's ranks per node, from its members' global ranks (in group order) on nodes of
+    ``launch_ranks_per_node`` consecutive global ranks: the size of its per-node blocks when the
+    members of each node are consecutive in the group and every block but the last is equally
+    large (a data-parallel group beside tensor parallelism: ``[0, 4, 8, 12]`` on nodes of 8 gives
+    2); ``None`` (one node) when all share one node or the blocks are uneven or interleaved."""
+    nodes = [g // launch_ranks_per_node for g in global_ranks]
+    runs: list[int] = []
+    for i, node in enumerate(nodes):
+        if i and node == nodes[i - 1]:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    if len(runs) < 2 or len(runs) != len(set(nodes)):
+        return None  # one node, or a node's members not together in the group
+    size = runs[0]
+    return size if all(run == size for run in runs[:-1]) and runs[-1] <= size else None
 
 
 def _model(config: CollectiveConfig, transport: P2PTransport, topology: Topology, device: torch.device) -> Measured:

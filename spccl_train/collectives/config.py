@@ -116,9 +116,12 @@ class CollectiveConfig:
     synchronisation; exact sizes and formats). ``"auto"``: the cost model picks per call."""
     ranks_per_node: int | None = None
     """Topology: ranks ``[k * ranks_per_node, (k + 1) * ranks_per_node)`` of the group share node
-    ``k``. ``None`` takes it, for a group of every rank, from ``SPCCL_RANKS_PER_NODE`` (which
-    emulated nodes set, :mod:`spccl_train.emulation`) or else torchrun's ``LOCAL_WORLD_SIZE``, and
-    otherwise puts all ranks on one node; both must be equal on every rank. Tests set it to
+    ``k``. ``None`` reads the launch's nodes from ``SPCCL_RANKS_PER_NODE`` (which emulated nodes
+    set, :mod:`spccl_train.emulation`) or else torchrun's ``LOCAL_WORLD_SIZE`` (``L`` consecutive
+    global ranks per node) and finds the group's own from its members' global ranks (a
+    data-parallel group ``[0, 4, 8, 12]`` on nodes of 8 has 2 per node; members of a node that are
+    not together in the group give one node), and otherwise puts all ranks on one node; the
+    variables must be equal on every rank (the planning exchange checks the result). Tests set it to
     simulate several nodes on one machine. It picks the intra- or inter-node threshold per hop
     and the link terms of the cost model."""
     channels: int = 1

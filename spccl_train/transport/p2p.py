@@ -50,6 +50,11 @@ class P2PTransport:
         self._devices = _devices_of(self.backend)
 
     @property
+    def global_ranks(self) -> tuple[int, ...]:
+        """The default group's rank of each member, in this group's order."""
+        return tuple(self._global)
+
+    @property
     def group(self) -> dist.ProcessGroup:
         """The process group (held weakly, so a cached transport never keeps a destroyed group alive)."""
         group = self._group()
