@@ -107,6 +107,9 @@ class CollectiveStats:
     ``"replayed"`` (it replayed an earlier capture), or ``""`` (it ran eagerly)."""
     _statuses: torch.Tensor | None
     _timer: Span
+    steps: tuple[CollectiveStats, ...] = ()
+    """A hierarchical call's steps, in order (the all-reduce: inside the node, across nodes, inside
+    the node); empty for flat calls. The step across nodes says what crossed the network."""
 
     @property
     def decode_status(self) -> torch.Tensor | None:
@@ -430,6 +433,7 @@ def _hierarchical_stats(
         graph="",
         _statuses=torch.cat(statuses) if statuses else None,
         _timer=timer,
+        steps=tuple(parts),
     )
 
 
