@@ -259,9 +259,10 @@ def test_flat_algorithms_on_simulated_nodes(pools, world, rpn):
         (range(12), 8, 8),  # a short last node
         ([0, 4, 8, 12], 8, 2),  # data parallel beside tensor parallel 4
         ([2, 3, 0, 1], 2, 2),  # nodes in another order
-        ([0, 2, 1, 3], 2, None),  # a node's members apart: not consecutive blocks
+        ([0, 2, 1, 3], 2, 1),  # a node's members apart: every hop taken as across nodes
+        ([3, 4, 5, 6, 7], 4, 1),  # a short first block
         ([0, 1, 2, 4], 4, 3),  # a short last node
-        ([0, 1, 4, 5, 6, 8], 4, None),  # uneven blocks (2, then 3)
+        ([0, 1, 4, 5, 6, 8], 4, 1),  # uneven blocks (2, then 3)
         ([0, 8], 8, 1),  # one rank per node
     ],
 )

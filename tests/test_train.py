@@ -257,7 +257,7 @@ def test_emulated_nodes_put_each_rank_on_a_node_and_measure_the_links(tmp_path, 
     assert "inter-node" in summary["links"] and "intra-node" not in summary["links"], summary["links"]
     out = capfd.readouterr().out
     assert f"links: {summary['links']}" in out  # printed by rank 0
-    assert out.count("spccl.capacity_factor=4 is set aside") == 1  # across nodes: exact sizes on the wire
+    assert out.count("spccl.capacity_factor=4 is set aside: the group spans nodes") == 1  # exact sizes on the wire
     assert summary["breakdown_ms"] is not None
     # a grouping that contradicts the emulation is refused before any rank starts training
     monkeypatch.setenv("LOCAL_RANK", "0")

@@ -347,7 +347,7 @@ def _call(
         exchanged = (
             graphed and bounds is None and not (collective == "all_reduce" and config.gather_counts == "measured")
         )
-        fingerprint = config.fingerprint() if graphed else ""
+        fingerprint = config.fingerprint() + _nodes(config, transport) if graphed else ""
         if exchanged:  # plan from the exchanged counts, rounded up so that calls repeat and replay
             bounds = _measured_bounds(
                 collective, transport, config, fingerprint, input, output, planner, planning_stream, graph_tag
@@ -469,6 +469,12 @@ def _transport(group: dist.ProcessGroup | None) -> P2PTransport:
     return transport
 
 
+def _nodes(config: CollectiveConfig, transport: P2PTransport) -> str:
+    """The nodes as this rank resolves them (from the environment when the config leaves them
+    open), for the config code the planning exchange compares: ranks that disagree raise alike."""
+    return f"|nodes of {_ranks_per_node(config, transport)}"
+
+
 def _ranks_per_node(config: CollectiveConfig, transport: P2PTransport) -> int | None:
     """``config.ranks_per_node``, else what the launch says (emulated nodes'
     ``SPCCL_RANKS_PER_NODE``, or torchrun's ``LOCAL_WORLD_SIZE``: global ranks
@@ -487,7 +493,8 @@ def group_ranks_per_node(global_ranks: Sequence[int], launch_ranks_per_node: int
     ``launch_ranks_per_node`` consecutive global ranks: the size of its per-node blocks when the
     members of each node are consecutive in the group and every block but the last is equally
     large (a data-parallel group beside tensor parallelism: ``[0, 4, 8, 12]`` on nodes of 8 gives
-    2); ``None`` (one node) when all share one node or the blocks are uneven or interleaved."""
+    2); ``None`` (one node) when all share one node; 1 (every hop across nodes, the cautious
+    reading) when they span nodes in blocks that consecutive ranks per node cannot describe."""
     nodes = [g // launch_ranks_per_node for g in global_ranks]
     runs: list[int] = []
     for i, node in enumerate(nodes):
@@ -495,10 +502,11 @@ def group_ranks_per_node(global_ranks: Sequence[int], launch_ranks_per_node: int
             runs[-1] += 1
         else:
             runs.append(1)
-    if len(runs) < 2 or len(runs) != len(set(nodes)):
-        return None  # one node, or a node's members not together in the group
+    if len(runs) < 2:
+        return None  # one node
     size = runs[0]
-    return size if all(run == size for run in runs[:-1]) and runs[-1] <= size else None
+    together = len(runs) == len(set(nodes))  # each node's members consecutive in the group
+    return size if together and all(run == size for run in runs[:-1]) and runs[-1] <= size else 1
 
 
 def _model(config: CollectiveConfig, transport: P2PTransport, topology: Topology, device: torch.device) -> Measured:
@@ -626,9 +634,8 @@ def _run(
 ) -> tuple[CollectiveStats, torch.cuda.Event | None]:
     p, r = transport.world, transport.rank
     timer = Span(inp.device)
-    # The nodes as this rank resolves them (from the environment when the config leaves them
-    # open) go into the exchanged config code, so ranks that disagree raise alike.
-    nodes = f"|nodes of {_ranks_per_node(config, transport)}"
+    rpn = _ranks_per_node(config, transport)  # once: the exchange checks what the topology uses
+    nodes = f"|nodes of {rpn}"
     fingerprint = config.fingerprint() + nodes
     request, problems, aliased, layout = _request(collective, transport, config, fingerprint, inp, out)
     if p == 1:
@@ -670,7 +677,7 @@ def _run(
             collective, request, layout, x, r, p * config.channels, planner, planning_stream, corrections
         )
     # From here on every rank holds the same valid table and computes the same decisions.
-    topology = Topology(p, _ranks_per_node(config, transport))
+    topology = Topology(p, rpn)
     measured = _model(config, transport, topology, inp.device)
     default_group = hierarchical.is_world(transport.group)
     model, key = measured.model, f"{fingerprint}|{measured.tag}|{'default group' if default_group else 'subgroup'}"

@@ -119,9 +119,10 @@ class CollectiveConfig:
     ``k``. ``None`` reads the launch's nodes from ``SPCCL_RANKS_PER_NODE`` (which emulated nodes
     set, :mod:`spccl_train.emulation`) or else torchrun's ``LOCAL_WORLD_SIZE`` (``L`` consecutive
     global ranks per node) and finds the group's own from its members' global ranks (a
-    data-parallel group ``[0, 4, 8, 12]`` on nodes of 8 has 2 per node; members of a node that are
-    not together in the group give one node), and otherwise puts all ranks on one node; the
-    variables must be equal on every rank (the planning exchange checks the result). Tests set it to
+    data-parallel group ``[0, 4, 8, 12]`` on nodes of 8 has 2 per node; groups that span nodes in
+    other shapes get 1, every hop across nodes), and otherwise puts all ranks on one node;
+    ``SPCCL_RANKS_PER_NODE``, when set, decides alone. The variables must be equal on every rank
+    (the planning exchange checks the result, except for calls with caller ``bounds``). Tests set it to
     simulate several nodes on one machine. It picks the intra- or inter-node threshold per hop
     and the link terms of the cost model."""
     channels: int = 1

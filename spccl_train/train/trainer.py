@@ -505,9 +505,14 @@ def announce_links(cfg: ExperimentConfig, rank: int, world: int, local_world: in
     rank calls it."""
     s = cfg.spccl
     if rank == 0 and s.enabled and s.capacity_factor and capacity_factor(cfg, local_world) is None:
+        why = (
+            "spccl.algorithm=hierarchical takes no bounds"
+            if s.algorithm == "hierarchical"
+            else "the group spans nodes (spccl.exact_across_nodes=false keeps it)"
+        )
         print(
-            f"spccl: the group spans nodes, so spccl.capacity_factor={s.capacity_factor:g} is set aside: every "
-            "all-reduce plans from exchanged counts and sends exact sizes (spccl.exact_across_nodes=false keeps it)",
+            f"spccl: spccl.capacity_factor={s.capacity_factor:g} is set aside: {why}; every all-reduce plans "
+            "from exchanged counts and sends exact sizes",
             flush=True,
         )
     weighs = s.enabled and s.cost_model == "measured" and "auto" in (s.format, s.algorithm)
