@@ -347,7 +347,7 @@ def _call(
         exchanged = (
             graphed and bounds is None and not (collective == "all_reduce" and config.gather_counts == "measured")
         )
-        fingerprint = config.fingerprint() + _nodes(config, transport) if graphed else ""
+        fingerprint = config.fingerprint() + _nodes(_ranks_per_node(config, transport)) if graphed else ""
         if exchanged:  # plan from the exchanged counts, rounded up so that calls repeat and replay
             bounds = _measured_bounds(
                 collective, transport, config, fingerprint, input, output, planner, planning_stream, graph_tag
@@ -469,10 +469,10 @@ def _transport(group: dist.ProcessGroup | None) -> P2PTransport:
     return transport
 
 
-def _nodes(config: CollectiveConfig, transport: P2PTransport) -> str:
+def _nodes(ranks_per_node: int | None) -> str:
     """The nodes as this rank resolves them (from the environment when the config leaves them
     open), for the config code the planning exchange compares: ranks that disagree raise alike."""
-    return f"|nodes of {_ranks_per_node(config, transport)}"
+    return f"|nodes of {ranks_per_node}"
 
 
 def _ranks_per_node(config: CollectiveConfig, transport: P2PTransport) -> int | None:
@@ -484,8 +484,16 @@ def _ranks_per_node(config: CollectiveConfig, transport: P2PTransport) -> int | 
     for name in ("SPCCL_RANKS_PER_NODE", "LOCAL_WORLD_SIZE"):
         value = os.environ.get(name, "")
         if value.isdigit() and int(value) >= 1:
-            return group_ranks_per_node(transport.global_ranks, int(value))
+            launch = int(value)
+            known = _group_nodes.setdefault(transport, {})
+            if launch not in known:  # an O(world) pass over the members, once per group and figure
+                known[launch] = group_ranks_per_node(transport.global_ranks, launch)
+            return known[launch]
     return None
+
+
+_group_nodes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per transport (weakly, as :data:`_transports`): ``{launch ranks per node: the group's}``."""
 
 
 def group_ranks_per_node(global_ranks: Sequence[int], launch_ranks_per_node: int) -> int | None:
@@ -635,7 +643,7 @@ def _run(
     p, r = transport.world, transport.rank
     timer = Span(inp.device)
     rpn = _ranks_per_node(config, transport)  # once: the exchange checks what the topology uses
-    nodes = f"|nodes of {rpn}"
+    nodes = _nodes(rpn)
     fingerprint = config.fingerprint() + nodes
     request, problems, aliased, layout = _request(collective, transport, config, fingerprint, inp, out)
     if p == 1:
