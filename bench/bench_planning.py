@@ -7,15 +7,25 @@ per piece, its element count times the density, with 1% noise per rank (i.i.d. d
 Part 1, host time per rank per call, for an all-reduce of ``--size`` fp32 at ``--sparsity``
 with ``--ranks-per-node``, per world size and channel count:
 
-- ``decide_new_ms``: a sparsity profile seen for the first time (the memo cleared): round the
-  table, weigh every candidate (plans of all of them), pick;
-- ``decide_memo_ms``: the same profile again (round the table, look the decision up);
-- ``plan_ms``: plan the chosen candidate from the exact counts;
-- ``exchange_bytes``: what the count exchange gathers onto each rank, ``world`` rows of
-  ``len(HEADER_FIELDS) + world * channels`` int64.
+- ``summary_ms``: summarise what the exchange delivered
+  (:class:`~spccl_train.collectives.summary.CountSummary`): under the table protocol integer sums
+  over the ``world x world x channels`` table; under the scalable one O(world x channels);
+- ``decide_new_ms``: a sparsity profile seen for the first time (the memo cleared): summarise,
+  round the summary, weigh every candidate from it, pick;
+- ``decide_memo_ms``: the same profile again (summarise, round, look the decision up);
+- ``plan_ms``: rank 0's plan of the chosen candidate (if native, of direct Pici) from the exact
+  counts: its own messages, both phases (the gather phase sized from the bounds);
+- ``total_new_ms`` / ``total_memo_ms``: planning and choice per rank per call, ``decide + plan``;
+- ``protocol``, ``exchange_bytes``: the count exchange of a group of that size
+  (:func:`~spccl_train.collectives.exchange.protocol`) and what it delivers to each rank;
+  ``table_bytes``: what the table protocol would (``world`` rows of ``11 + world * channels`` int64).
 
-A point whose first timing is predicted (from the square of the rank count, as the planner
-scales) to take longer than ``--max-point-s`` is skipped and says so.
+Under the scalable protocol a rank's host work is timed as it runs: its share of the third round
+(``owner_terms``, in ``summary_ms``), the summary from the exchanged maxima and sums, the
+decision and its plan; the collectives' results are made from the synthetic table, untimed.
+
+A point whose first timing is predicted (from the square of the rank count, as the table
+grows) to take longer than ``--max-point-s`` is skipped and says so.
 
 Part 2, the model's predictions for that all-reduce with 8 GPUs per node (``CostModel.default``
 for CUDA, its network replaced by ``--networks`` GB/s per GPU): dense (NCCL's ring), the best
@@ -40,30 +50,32 @@ import datetime
 import math
 import pathlib
 import platform
-import random
 import sys
 import time
 
 import benchlib
+import numpy as np
 import torch
 
 from spccl_train._provenance import git_commit
 from spccl_train.collectives import CollectiveConfig, CostModel, LinkCost, Topology
-from spccl_train.collectives.choice import clear_decisions, decide, plan_candidate
+from spccl_train.collectives.choice import Candidate, clear_decisions, decide, plan_candidate
 from spccl_train.collectives.chunking import ChunkLayout
-from spccl_train.collectives.exchange import HEADER_FIELDS
+from spccl_train.collectives.exchange import Counts, exchange_bytes, owner_terms, protocol
+from spccl_train.collectives.rank_plan import plan_all_gather_for
+from spccl_train.collectives.summary import CountSummary
+from spccl_train.formats import Format
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _table(layout: ChunkLayout, density: float, seed: int) -> list[list[int]]:
-    """Each rank's nonzero count of every piece: ``numel * density`` with 1% noise."""
-    rng = random.Random(seed)
-    sizes = [piece.numel for chunk in layout.pieces for piece in chunk]
-    return [
-        [min(n, max(0, round(n * density * (1 + 0.01 * rng.uniform(-1, 1))))) for n in sizes]
-        for _ in range(layout.world)
-    ]
+def _table(layout: ChunkLayout, density: float, seed: int) -> np.ndarray:
+    """Each rank's nonzero count of every piece, ``numel * density`` with 1% noise, as the exchange
+    hands it over (an int64 array of ``world`` rows)."""
+    rng = np.random.default_rng(seed)
+    sizes = np.array([piece.numel for chunk in layout.pieces for piece in chunk], dtype=np.int64)
+    noise = 1 + 0.01 * rng.uniform(-1, 1, size=(layout.world, len(sizes)))
+    return np.clip(np.rint(sizes * density * noise), 0, sizes).astype(np.int64)
 
 
 def _time(fn, repeats: int) -> float:
@@ -82,6 +94,49 @@ def _model(network_gbps: float | None) -> CostModel:
     return dataclasses.replace(model, inter=LinkCost(latency_s=model.inter.latency_s, bandwidth=network_gbps * 1e9))
 
 
+def _counts(table: np.ndarray, layout: ChunkLayout, topology: Topology, how: str, rank: int):
+    """What rank ``rank`` holds after the count exchange of protocol ``how``, and the host work it
+    does to get there (a function to time): the table protocol's rows, or the scalable protocol's
+    row, column, gathered bounds and reduced sums and maxima (the collectives' results are made
+    here from the whole table, untimed; each rank's own terms are timed)."""
+    if how == "table":
+        return lambda: Counts.from_table("all_reduce", table, layout, rank)
+    p, ch = layout.world, layout.channels
+    cube = table.reshape(p, p, ch)
+    terms = [owner_terms(cube[q], cube[:, q], layout, topology, q) for q in range(p)]
+    maxima = np.max([t[0] for t in terms], axis=0)
+    bounds = np.stack([t[1] for t in terms])
+    sums = np.sum([t[2] for t in terms], axis=0)
+
+    def received() -> Counts:
+        owner_terms(cube[rank], cube[:, rank], layout, topology, rank)  # this rank's share of round 3
+        return Counts(
+            "all_reduce",
+            rank,
+            cube[rank],
+            cube[:, rank],
+            bounds,
+            None,
+            maxima[:2],
+            maxima[2:],
+            sums[:ch],
+            int(sums[ch]),
+        )
+
+    return received
+
+
+def _plan(candidate: Candidate, config: CollectiveConfig, counts: Counts, layout: ChunkLayout, topology: Topology):
+    """Rank 0's plan of an all-reduce: its reduce-scatter phase, then its gather phase sized from the bounds."""
+    scatter = plan_candidate(candidate, "all_reduce", config, counts, layout, torch.float32, topology, 0)
+    th = config.thresholds.resolve(candidate.format)
+    gather = plan_all_gather_for(
+        0, counts.reduced_bounds(), layout, torch.float32, fmt=candidate.format, algorithm=candidate.algorithm,
+        threshold=th.ag, topology=topology, collective="all_reduce", measured=False,
+    )  # fmt: skip
+    return scatter.then(gather)
+
+
 def planning_rows(args: argparse.Namespace) -> list[dict]:
     rows = []
     numel = args.size // 4
@@ -92,40 +147,54 @@ def planning_rows(args: argparse.Namespace) -> list[dict]:
         for world in args.worlds:
             layout = ChunkLayout.of("all_reduce", numel, world, channels)
             topology = Topology(world, args.ranks_per_node if args.ranks_per_node < world else None)
+            how = protocol(world, "auto")
             row = {
                 "world": world,
                 "channels": channels,
                 "ranks_per_node": args.ranks_per_node,
                 "size_bytes": args.size,
                 "sparsity": args.sparsity,
-                "exchange_bytes": world * (len(HEADER_FIELDS) + world * channels) * 8,
+                "protocol": how,
+                "exchange_bytes": exchange_bytes(how, "all_reduce", world, channels, topology),
+                "table_bytes": exchange_bytes("table", "all_reduce", world, channels, topology),
             }
             estimate = per_p2.get(channels, 0.0) * world * world
             if estimate > args.max_point_s:
-                row["note"] = f"skipped: about {estimate:.0f} s per weighing (O(p^2)), over --max-point-s"
+                row["note"] = (
+                    f"skipped: about {estimate:.0f} s to make the synthetic table (O(p^2)), over --max-point-s"
+                )
                 rows.append(row)
                 print(_line(row), flush=True)
                 continue
-            table = _table(layout, 1 - args.sparsity / 100, seed=world * 10 + channels)
-            key = f"bench|{world}|{channels}"
-
-            def weigh():
-                clear_decisions()
-                return decide("all_reduce", config, key, table, layout, torch.float32, topology, model)
-
             start = time.perf_counter()
-            choice, weighed = weigh()
-            first = time.perf_counter() - start
-            per_p2[channels] = first / (world * world)
-            repeats = max(1, min(args.repeats, int(args.max_point_s / max(first, 1e-9))))
-            row["decide_new_ms"] = 1e3 * min(first, _time(weigh, repeats - 1) if repeats > 1 else first)
-            row["decide_memo_ms"] = 1e3 * _time(
-                lambda: decide("all_reduce", config, key, table, layout, torch.float32, topology, model), repeats
-            )
-            row["plan_ms"] = 1e3 * _time(
-                lambda: plan_candidate(choice, "all_reduce", config, table, layout, torch.float32, topology), repeats
-            )
+            table = _table(layout, 1 - args.sparsity / 100, seed=world * 10 + channels)
+            receive = _counts(table, layout, topology, how, rank=0)
+            per_p2[channels] = (time.perf_counter() - start) / (world * world)
+            key = f"bench|{world}|{channels}|{how}"
+            algorithms = ("direct",) if how == "scalable" else ("ring", "direct")
+
+            def summarise():
+                return receive().summary(layout, topology)
+
+            def choose_new():
+                clear_decisions()
+                return decide(config, key, summarise(), torch.float32, model, 1, None, False, algorithms)
+
+            def choose_memo():
+                return decide(config, key, summarise(), torch.float32, model, 1, None, False, algorithms)
+
+            choice, weighed = choose_new()
+            counts = receive()
+            repeats = args.repeats
+            row["summary_ms"] = 1e3 * _time(summarise, repeats)
+            row["decide_new_ms"] = 1e3 * _time(choose_new, repeats)
+            row["decide_memo_ms"] = 1e3 * _time(choose_memo, repeats)
+            sparse = next(c for c in (choice, Candidate("direct", Format.PICI, 0.0)) if c.algorithm != "native")
+            row["plan_ms"] = 1e3 * _time(lambda: _plan(sparse, config, counts, layout, topology), repeats)
+            row["total_new_ms"] = row["decide_new_ms"] + row["plan_ms"]
+            row["total_memo_ms"] = row["decide_memo_ms"] + row["plan_ms"]
             row["chosen"] = f"{choice.algorithm}/{choice.format.value}"
+            row["planned"] = sparse.name
             row["candidates"] = len(weighed)
             rows.append(row)
             print(_line(row), flush=True)
@@ -137,8 +206,10 @@ def _line(row: dict) -> str:
         return f"{row[key]:10.3f}" if key in row else f"{'-':>10s}"
 
     return (
-        f"{row['world']:6d} {row['channels']:3d} {ms('decide_new_ms')} {ms('decide_memo_ms')} {ms('plan_ms')} "
-        f"{row['exchange_bytes'] / 1024:12.1f} {row.get('chosen', ''):12s} {row.get('note', '')}"
+        f"{row['world']:6d} {row['channels']:3d} {ms('summary_ms')} {ms('decide_new_ms')} {ms('decide_memo_ms')} "
+        f"{ms('plan_ms')} {ms('total_new_ms')} {ms('total_memo_ms')} {row['protocol']:>8s} "
+        f"{row['exchange_bytes'] / 1024:10.1f} {row['table_bytes'] / 1024:10.1f} {row.get('chosen', ''):12s} "
+        f"{row.get('note', '')}"
     )
 
 
@@ -158,16 +229,15 @@ def model_rows(args: argparse.Namespace) -> list[dict]:
             row["dense_ms"] = 1e3 * dense
             estimate = per_p2 * world * world
             if estimate > args.max_point_s:
-                row["note"] = f"not weighed: the flat planner would take about {estimate:.0f} s (O(p^2))"
+                row["note"] = f"not weighed: about {estimate:.0f} s (from the O(p^2) table), over --max-point-s"
                 rows.append(row)
                 print(_model_line(row), flush=True)
                 continue
             table = _table(layout, 1 - args.sparsity / 100, seed=world)
             clear_decisions()
             start = time.perf_counter()
-            _, weighed = decide(
-                "all_reduce", config, "model", table, layout, torch.float32, topology, model, default_group=True
-            )
+            summary = CountSummary.of("all_reduce", table, layout, topology)
+            _, weighed = decide(config, "model", summary, torch.float32, model, default_group=True)
             per_p2 = max(per_p2, (time.perf_counter() - start) / (world * world))
             sparse = {name: t for name, t in weighed.items() if name not in ("native/dense", "hierarchical")}
             best = min(sparse, key=sparse.get)
@@ -207,7 +277,7 @@ def _plot(path: pathlib.Path, rows: list[dict], meta: dict) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for channels in sorted({r["channels"] for r in rows}):
         timed = [r for r in rows if r["channels"] == channels and "decide_new_ms" in r]
-        for key, style in (("decide_new_ms", "-o"), ("decide_memo_ms", "--s"), ("plan_ms", ":^")):
+        for key, style in (("total_new_ms", "-o"), ("total_memo_ms", "--s"), ("plan_ms", ":^")):
             ax.plot([r["world"] for r in timed], [r[key] for r in timed], style, label=f"{key[:-3]}, {channels} ch")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -256,7 +326,10 @@ def main(argv: list[str] | None = None) -> int:
         f"host planning per rank: all-reduce {benchlib.size_label(args.size)} fp32, {args.sparsity:g}% sparse, "
         f"{args.ranks_per_node} ranks per node; commit {meta['commit']}, {meta['date']}"
     )
-    print(f"{'ranks':>6s} {'ch':>3s} {'new ms':>10s} {'memo ms':>10s} {'plan ms':>10s} {'exch KiB':>12s} chosen")
+    print(
+        f"{'ranks':>6s} {'ch':>3s} {'summary':>10s} {'new ms':>10s} {'memo ms':>10s} {'plan ms':>10s} "
+        f"{'total new':>10s} {'total memo':>10s} {'protocol':>8s} {'exch KiB':>10s} {'table KiB':>10s} chosen"
+    )
     plan = planning_rows(args)
     print(
         f"\nmodel: all-reduce {benchlib.size_label(args.size)} fp32 at {args.sparsity:g}%, 8 GPUs per node "

@@ -1,8 +1,9 @@
 """``bench/bench_planning.py`` end to end, small: it times what it says and writes what it says.
 
 Checks the script, not speed: every timed point has its figures, a point predicted too slow is
-skipped with a note, the exchange size is the table the exchange gathers, and the model's
-dense prediction is the ring's bytes over the network.
+skipped with a note, the exchange size is what the group's protocol delivers (the table below
+32 ranks, the scalable exchange's O(world x channels) from there), and the model's dense
+prediction is the ring's bytes over the network.
 """
 
 from __future__ import annotations
@@ -27,11 +28,17 @@ def test_bench_planning_writes_its_tables(tmp_path):
     assert [(int(r["world"]), int(r["channels"])) for r in rows] == [(w, c) for c in (1, 2) for w in (4, 8, 4096)]
     for r in rows:
         world, channels = int(r["world"]), int(r["channels"])
-        assert int(r["exchange_bytes"]) == world * (11 + world * channels) * 8
-        if world == 4096:  # 256x the 256 ranks of the square law: over any budget of seconds
-            assert r["note"].startswith("skipped") and not r["decide_new_ms"]
+        assert int(r["table_bytes"]) == world * (11 + world * channels) * 8
+        assert r["protocol"] == ("table" if world < 32 else "scalable")
+        if r["protocol"] == "table":
+            assert r["exchange_bytes"] == r["table_bytes"]
+        else:  # the scalable exchange's budget: 16 bytes per rank and piece, and a few KiB
+            assert int(r["exchange_bytes"]) <= 16 * world * channels + 4096
+        if r["note"]:  # 4096 ranks: the synthetic table alone would take too long
+            assert world == 4096 and r["note"].startswith("skipped") and not r["decide_new_ms"]
         else:
             assert 0 < float(r["decide_memo_ms"]) and 0 < float(r["decide_new_ms"]) and r["chosen"], r
+            assert 0 < float(r["plan_ms"]) and r["planned"] in ("ring/pici", "direct/pici", "ring/coo", "direct/coo")
     model = list(csv.DictReader(next(tmp_path.glob("planning_cpu_*_model.csv")).open()))
     small = next(r for r in model if r["gpus"] == "16")
     ring = 2 * 15 / 16 * (64 << 20) / 25e9  # the dense ring's bytes per GPU over the 25 GB/s network

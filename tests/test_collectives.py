@@ -314,8 +314,9 @@ def _job_link_aware(rank, world, seed):
 
 
 def test_world4_link_aware_formats(pools):
-    got = pools(4).run(_job_link_aware, _seed("link"))
-    assert got[0] == [(0, 1, "dense"), (1, 2, "pici"), (2, 3, "dense"), (3, 0, "pici")]
+    got = pools(4).run(_job_link_aware, _seed("link"))  # each rank plans the messages it sends and receives
+    assert got[0] == [(0, 1, "dense"), (3, 0, "pici")]
+    assert sorted(set().union(*map(set, got))) == [(0, 1, "dense"), (1, 2, "pici"), (2, 3, "dense"), (3, 0, "pici")]
 
 
 def _job_phase_aware(rank, world, seed):
@@ -355,6 +356,76 @@ def _job_world8(rank, world, seed):
 def test_world8(pools):
     got = pools(8).run(_job_world8, _seed("world8"))
     assert len({tuple(d[:2]) for d in got}) == 1  # the two all-reduce digests agree on every rank
+
+
+def _job_scalable(rank, world, seed, rpn):
+    """The scalable count exchange (forced on this small group): every collective, format and
+    channel count, exact, with each rank's plan re-derived from the data; rings keep the table.
+    On a group of every rank other than the default one, where ``auto`` weighs the flat algorithms."""
+    os.environ["SPCCL_SCALABLE_EXCHANGE_WORLD"] = "2"
+    group = dist.new_group(list(range(world)))
+    try:
+        digests, protocols = [], []
+        for collective, fmt, channels in itertools.product(COLLECTIVES, ("auto", "pici", "coo"), (1, 2)):
+            n = (world * TILE + 333) if collective == "all_reduce" else world * 1001
+            for sparsity, support in [(0.99, "random"), (0.7, "disjoint"), (0.0, "random")]:
+                algorithm = "auto" if fmt == "auto" else "direct"
+                cfg = CollectiveConfig(
+                    format=fmt, algorithm=algorithm, ranks_per_node=rpn, channels=channels, cost_model=_slow_links()
+                )
+                what = f"scalable {collective} {fmt} ch={channels} rpn={rpn} {sparsity} {support}"
+                xs = _inputs(
+                    _seed(seed, collective, fmt, channels, sparsity), world, n, torch.float32, sparsity, support
+                )
+                digest = _run_one(rank, world, collective, xs, cfg, what, group)
+                stats = last_stats()
+                assert stats.exchange == "scalable" and stats.algorithm in ("direct", "native"), what
+                if stats.gather_counts != "measured":  # O(world x channels): the issue's budget
+                    assert stats.exchange_bytes <= 16 * world * channels + 4096, (what, stats.exchange_bytes)
+                if collective == "all_reduce":
+                    digests.append(digest)
+                protocols.append(stats.exchange_bytes)
+        cfg = CollectiveConfig(format="pici", algorithm="ring", ranks_per_node=rpn)
+        xs = _inputs(_seed(seed, "ring"), world, world * TILE, torch.float32, 0.9, "random")
+        digests.append(_run_one(rank, world, "all_reduce", xs, cfg, "scalable: ring keeps the table", group))
+        assert last_stats().exchange == "table"
+        return digests, protocols
+    finally:
+        os.environ.pop("SPCCL_SCALABLE_EXCHANGE_WORLD", None)
+
+
+@pytest.mark.parametrize("world, rpn", [(4, 2), (3, None), (8, 4)])
+def test_scalable_exchange(pools, world, rpn):
+    got = pools(world).run(_job_scalable, _seed("scalable", world), rpn)
+    assert all(digests == got[0][0] for digests, _ in got)  # every all-reduce bit-identical on every rank
+    assert all(received == got[0][1] for _, received in got)
+
+
+def _job_native_unexchanged(rank, world, seed):
+    """``check_calls="first"`` and ``auto`` on a call too small for any sparse candidate to win:
+    the first call of each shape exchanges (and checks the ranks' calls), the later ones go native
+    with no exchange."""
+    seen = []
+    first = CollectiveConfig(check_calls="first")
+    for n in (1000, 1000, 1000, 1001, 1001):
+        x = torch.full((n,), float(rank + 1))
+        spccl_train.all_reduce(x, config=first)
+        assert torch.equal(x, torch.full((n,), float(world * (world + 1) // 2)))
+        stats = last_stats()
+        assert stats.algorithm == "native" and stats.plan is None
+        seen.append((stats.exchanges, stats.exchange))
+    # a fixed sparse format always exchanges, and so does every call by default (check_calls="every")
+    for cfg in (CollectiveConfig(format="pici", check_calls="first"), CollectiveConfig(), CollectiveConfig()):
+        x = torch.ones(1000)
+        spccl_train.all_reduce(x, config=cfg)
+        seen.append((last_stats().exchanges, last_stats().exchange))
+    return seen
+
+
+def test_native_calls_skip_the_exchange_once_checked(pools):
+    got = pools(3).run(_job_native_unexchanged, _seed("native"))
+    assert got[0] == got[1] == got[2]
+    assert got[0] == [(1, "table"), (0, ""), (0, ""), (1, "table"), (0, ""), (1, "table"), (1, "table"), (1, "table")]
 
 
 def _job_world1(rank, world, seed):
@@ -444,12 +515,22 @@ def _attempt(call) -> str:
     return "no error"
 
 
-def _job_bad_call(rank, world, case):
-    """Make one bad call (bad on some ranks only, for most cases); then show the group still works."""
+def _job_bad_call(rank, world, case, scalable=False):
+    """Make one bad call (bad on some ranks only, for most cases); then show the group still works.
+    ``scalable``: under the scalable count exchange (a direct config, every group size)."""
+    if scalable:
+        os.environ["SPCCL_SCALABLE_EXCHANGE_WORLD"] = "2"
+    try:
+        return _bad_call(rank, world, case, "direct" if scalable else "ring")
+    finally:
+        os.environ.pop("SPCCL_SCALABLE_EXCHANGE_WORLD", None)
+
+
+def _bad_call(rank, world, case, algorithm):
     n = 10 * world
     x = torch.ones(n)
     out = torch.empty(n)
-    cfg = CollectiveConfig(format="pici", algorithm="ring")
+    cfg = CollectiveConfig(format="pici", algorithm=algorithm)
     calls = {
         "numel": lambda: spccl_train.all_reduce(torch.ones(n + (rank == 1)), config=cfg),
         "dtype": lambda: spccl_train.all_reduce(x.to(torch.bfloat16) if rank == 2 else x, config=cfg),
@@ -478,6 +559,7 @@ def _job_bad_call(rank, world, case):
     check = torch.full((n,), float(rank + 1))
     spccl_train.all_reduce(check, config=cfg)
     assert torch.equal(check, torch.full((n,), float(world * (world + 1) // 2))), "the group is broken afterwards"
+    assert last_stats().exchange == ("scalable" if algorithm == "direct" else "table")
     return message
 
 
@@ -499,9 +581,10 @@ BAD_CALLS = {
 }
 
 
+@pytest.mark.parametrize("scalable", [False, True], ids=["table", "scalable"])
 @pytest.mark.parametrize("case", list(BAD_CALLS))
-def test_bad_call_raises_alike_on_every_rank(pools, case):
-    messages = pools(3).run(_job_bad_call, case)
+def test_bad_call_raises_alike_on_every_rank(pools, case, scalable):
+    messages = pools(3).run(_job_bad_call, case, scalable)
     assert messages[0] == messages[1] == messages[2], messages
     assert BAD_CALLS[case] in messages[0], messages[0]
     if not messages[0].startswith("TypeError"):

@@ -110,6 +110,53 @@ def test_collectives_over_nccl(tmp_path, monkeypatch):
     _run_ranks(_rank, tmp_path, monkeypatch)
 
 
+def _rank_scalable(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """The scalable count exchange over NCCL (forced on this small group): all-reduce (max) of the
+    headers, all-to-all of int64 counts, sums and maxima; then a native call without an exchange."""
+    os.environ["SPCCL_SCALABLE_EXCHANGE_WORLD"] = "2"
+    dev = init_gpu_rank(rank, world, init_file)
+    failures = []
+    cases = itertools.product(
+        ["all_reduce", "reduce_scatter", "all_gather"], ["pici", "coo", "auto"], [torch.float32, torch.bfloat16],
+        [0.5, 0.99], [1, 2],
+    )  # fmt: skip
+    for collective, fmt, dtype, sparsity, channels in cases:
+        what = f"scalable {collective} {fmt} {dtype} sparsity={sparsity} channels={channels}"
+        n = world * (3 * 4096 + 77)
+        g = torch.Generator(device=dev).manual_seed(int(sparsity * 100) + channels)
+        xs = torch.randn(world, n, device=dev, generator=g)
+        xs[torch.rand(world, n, device=dev, generator=g) < sparsity] = 0
+        xs = xs.to(dtype)
+        cfg = CollectiveConfig(format=fmt, algorithm="auto" if fmt == "auto" else "direct", channels=channels)
+        mine = xs[rank].clone()
+        out_numel = {"all_reduce": n, "reduce_scatter": n // world, "all_gather": world * n}[collective]
+        out = mine if collective == "all_reduce" else torch.empty(out_numel, device=dev, dtype=dtype)
+        if collective == "all_reduce":
+            spccl_train.all_reduce(out, config=cfg)
+        elif collective == "reduce_scatter":
+            spccl_train.reduce_scatter_tensor(out, mine, config=cfg)
+        else:
+            spccl_train.all_gather_into_tensor(out, mine, config=cfg)
+        stats = last_stats()
+        if stats.exchange != "scalable" or not _matches(collective, out, xs, rank) or int(stats.decode_status or 0):
+            failures.append(f"{what}: {stats.exchange} {stats.algorithm}")
+    first = CollectiveConfig(check_calls="first")
+    seen = []
+    for _ in range(3):
+        x = torch.full((1000,), float(rank + 1), device=dev)
+        spccl_train.all_reduce(x, config=first)
+        seen.append(last_stats().exchanges)
+        if not torch.equal(x, torch.full_like(x, world * (world + 1) / 2)):
+            failures.append("native without an exchange: wrong result")
+    if seen != [1, 0, 0]:
+        failures.append(f"native without an exchange: exchanges {seen}")
+    _finish_rank(rank, out_dir, failures)
+
+
+def test_scalable_exchange_over_nccl(tmp_path, monkeypatch):
+    _run_ranks(_rank_scalable, tmp_path, monkeypatch)
+
+
 def _piece_bounds(mask: torch.Tensor, layout: ChunkLayout, collective: str) -> list[list[int]]:
     """Exact per-piece nonzero counts of every rank's support (row q: rank q), as ``bounds=`` takes them."""
     rows = []

@@ -186,7 +186,7 @@ def test_auto_weighs_the_hierarchical_all_reduce_by_the_network():
     # 4 nodes of 8 at 5% density each: the flat algorithms send the filled-in sums over the network
     slow_best, slow = _weigh(32, 8, 0.05, inter_bandwidth=2e9)
     fast_best, fast = _weigh(32, 8, 0.05, inter_bandwidth=2e11)
-    assert slow_best.algorithm == "hierarchical" and slow_best.plan is None, slow
+    assert slow_best.algorithm == "hierarchical", slow
     # it sends about 1/8 of the flat algorithms' bytes across the network
     assert slow["hierarchical"] < 0.5 * min(slow[n] for n in ("ring/pici", "direct/pici", "ring/coo", "direct/coo"))
     # on a network as fast as the node's links its steps go native, and then it is not weighed

@@ -5,21 +5,25 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spccl_train.collectives import ChunkLayout, CollectiveConfig, CostModel, Thresholds, Topology, choose
-from spccl_train.collectives.choice import NATIVE_MARGIN, clear_decisions, decide, quantize_counts
+from spccl_train.collectives.choice import NATIVE_MARGIN, clear_decisions, decide, plan_candidate, weigh
 from spccl_train.collectives.config import DEFAULT_THRESHOLDS
 from spccl_train.collectives.cost import CodecCost, LinkCost
+from spccl_train.collectives.exchange import Counts
 from spccl_train.collectives.plan import (
     bound_reduced_counts,
     estimate_reduced_counts,
     plan_all_gather,
     plan_reduce_scatter,
 )
+from spccl_train.collectives.rank_plan import plan_all_gather_for, reduced_bounds
+from spccl_train.collectives.summary import CountSummary, _round
 from spccl_train.formats import TILE, Format, align16, pici_bytes
 
 F32 = torch.float32
@@ -151,7 +155,7 @@ def test_auto_stays_dense_on_dense_data(collective):
         ChunkLayout.equal(4 * 64 * TILE, 4) if collective != "all_reduce" else ChunkLayout.aligned(4 * 64 * TILE, 4)
     )
     best, weighed = _choose(collective, CollectiveConfig(), layout, _table(layout, 1.0), _model())
-    assert best.algorithm == "native" and best.plan is None
+    assert best.algorithm == "native"
     assert set(weighed) == {"native/dense", "ring/pici", "direct/pici", "ring/coo", "direct/coo"}
     assert weighed["native/dense"] == min(weighed.values())
 
@@ -164,7 +168,9 @@ def test_auto_goes_sparse_on_sparse_data_over_slow_links(collective):
     best, weighed = _choose(collective, CollectiveConfig(), layout, _table(layout, 0.001), _model(), rpn=2)
     assert best.algorithm in ("ring", "direct") and best.format in (Format.PICI, Format.COO)
     assert best.predicted_s == min(weighed.values()) < weighed["native/dense"]
-    assert best.plan is not None and best.plan.bytes_sent() < best.plan.dense_bytes() / 10
+    counts = Counts.from_table(collective, _table(layout, 0.001), layout, 0)
+    plan = plan_candidate(best, collective, CollectiveConfig(), counts, layout, F32, Topology(4, 2), 0)
+    assert plan is not None and plan.bytes_sent() < plan.dense_bytes() / 10
 
 
 def test_fast_codecs_needed_to_leave_dense():
@@ -186,7 +192,9 @@ def test_candidates_follow_the_config():
     best, weighed = _choose("all_reduce", CollectiveConfig(format="dense"), layout, table, model)
     assert set(weighed) == {"native/dense"} and best.algorithm == "native"
     best, weighed = _choose("all_reduce", CollectiveConfig(format="dense", algorithm="direct"), layout, table, model)
-    assert set(weighed) == {"direct/dense"} and best.plan.format_counts() == {Format.DENSE: 12}
+    counts = Counts.from_table("all_reduce", table, layout, 1)
+    plan = plan_candidate(best, "all_reduce", CollectiveConfig(format="dense"), counts, layout, F32, Topology(4), 1)
+    assert set(weighed) == {"direct/dense"} and plan.format_counts() == {Format.DENSE: 6}  # 3 sent, 3 received
     _, weighed = _choose("all_gather", CollectiveConfig(algorithm="ring"), layout, table, model)
     assert set(weighed) == {"native/dense", "ring/pici", "ring/coo"}
 
@@ -237,31 +245,26 @@ def test_bound_wins_when_exchanges_are_dear_and_measuring_when_padding_is():
     assert best.gather_counts == "bound"
 
 
-def test_decide_rounds_the_table_and_agrees_with_choose_on_it():
+def test_decide_rounds_the_summary_and_agrees_with_weigh_on_it():
     layout = ChunkLayout.aligned(4 * 16 * TILE, 4)
     table = _table(layout, 0.013)
     model = _model()
     cfg = CollectiveConfig()
-    rounded = quantize_counts(table, layout, "all_reduce")
-    for row, exact in zip(rounded, table):
-        for x, y in zip(row, exact):
-            assert abs(math.log2(x / y)) <= 1 / 32 + 1e-9
+    summary = CountSummary.of("all_reduce", table, layout, Topology(4))
+    rounded = summary.rounded(16)
+    for x, y in zip(rounded.bound.ravel().tolist(), summary.bound.ravel().tolist()):
+        assert abs(math.log2(x / y)) <= 1 / 32 + 1e-9
     clear_decisions()
-    first, weighed = decide("all_reduce", cfg, "k", table, layout, F32, Topology(4), model)
-    best, expected = _choose("all_reduce", cfg, layout, rounded, model)
-    assert (first.algorithm, first.format, first.gather_counts, weighed) == (
-        best.algorithm,
-        best.format,
-        best.gather_counts,
-        expected,
-    )
-    assert first.plan is None
+    first, weighed = decide(cfg, "k", summary, F32, model)
+    best, expected = weigh(rounded, cfg, F32, model)
+    assert (first, weighed) == (best, expected)
     nearby = [[x + 1 for x in row] for row in table]  # same rounded profile: the memo answers
-    assert decide("all_reduce", cfg, "k", nearby, layout, F32, Topology(4), model)[0] is first
+    near = CountSummary.of("all_reduce", nearby, layout, Topology(4))
+    assert decide(cfg, "k", near, F32, model)[0] is first
 
 
 def _round_one(x: int, n: int) -> int:
-    """The rounding :func:`quantize_counts` documents, one count at a time."""
+    """The rounding :meth:`CountSummary.rounded` documents, one count at a time."""
     if x <= 0 or x >= n:
         return x
     j = round(-math.log2(x / n) * 16)
@@ -269,28 +272,13 @@ def _round_one(x: int, n: int) -> int:
 
 
 @settings(deadline=None, max_examples=80)
-@given(
-    collective=st.sampled_from(["all_gather", "reduce_scatter", "all_reduce"]),
-    world=st.integers(1, 9),
-    channels=st.integers(1, 3),
-    per_rank=st.integers(1, 300_000),
-    data=st.data(),
-)
-def test_quantize_counts_rounds_each_count_as_documented(collective, world, channels, per_rank, data):
-    """The vectorised rounding equals the one-count formula on random tables (empty, full, tiny,
+@given(sizes=st.lists(st.integers(1, 3_000_000), min_size=1, max_size=12), data=st.data())
+def test_rounding_rounds_each_count_as_documented(sizes, data):
+    """The vectorised, integer-exact rounding equals the one-count formula (empty, full, tiny,
     near-full and arbitrary counts)."""
-    layout = ChunkLayout.of(collective, per_rank * world, world, channels)
-    every = [span.numel for chunk in layout.pieces for span in chunk]
-    sizes = [[span.numel for span in layout.pieces[q]] if collective == "all_gather" else every for q in range(world)]
-    table = []
-    for q in range(world):
-        row = [
-            data.draw(st.sampled_from([0, n, min(n, 3), max(0, n - 2)]) | st.integers(0, max(n, 0))) for n in sizes[q]
-        ]
-        table.append(row + [0] * (world * channels - len(row)))
-    got = quantize_counts(table, layout, collective)
-    for q, row in enumerate(table):
-        assert got[q] == [_round_one(x, n) for x, n in zip(row, sizes[q])], (q, row)
+    counts = [data.draw(st.sampled_from([0, n, min(n, 3), max(0, n - 2)]) | st.integers(0, n)) for n in sizes]
+    got = _round(np.array(counts), np.array(sizes), 16).tolist()
+    assert got == [_round_one(x, n) for x, n in zip(counts, sizes)]
 
 
 @settings(deadline=None, max_examples=60)
@@ -316,8 +304,38 @@ def test_auto_never_predicts_slower_than_dense(collective, world, density, bandw
     assert math.isclose(best.predicted_s, min(weighed.values()), rel_tol=1e-9) or best.algorithm == "native"
     if best.algorithm != "native":
         # (a hierarchical candidate is weighed only where one of its steps sends sparsely)
-        assert best.algorithm == "hierarchical" or any(m.sparse for m in best.plan.messages())
+        if best.algorithm != "hierarchical":
+            assert _sends_sparse(best, collective, _table(layout, density), layout, Topology(world, rpn))
         assert best.predicted_s < (1 - NATIVE_MARGIN) * native
+
+
+def _sends_sparse(best, collective, table, layout, topology) -> bool:
+    """Whether any rank's plan of ``best`` (an all-reduce: both phases) sends a sparse message."""
+    th = CollectiveConfig().thresholds.resolve(best.format)
+    for rank in range(layout.world):
+        counts = Counts.from_table(collective, table, layout, rank)
+        plan = plan_candidate(best, collective, CollectiveConfig(), counts, layout, F32, topology, rank)
+        if collective == "all_reduce":
+            reduced = (
+                reduced_bounds(table, layout)
+                if best.gather_counts == "bound"
+                else estimate_reduced_counts(table, layout)
+            )
+            plan = plan.then(
+                plan_all_gather_for(
+                    rank,
+                    reduced,
+                    layout,
+                    F32,
+                    fmt=best.format,
+                    algorithm=best.algorithm,
+                    threshold=th.ag,
+                    topology=topology,
+                )
+            )
+        if any(m.sparse for m in plan.messages()):
+            return True
+    return False
 
 
 def test_near_ties_stay_native():
@@ -383,8 +401,9 @@ def test_calls_planned_from_bounds_are_priced_without_planning(collective):
     for name in planned:
         assert bounded[name] == pytest.approx(planned[name] - saved), name
     clear_decisions()  # decide keeps the two apart
-    a = decide(collective, cfg, "k", table, layout, F32, Topology(4), model, 1)[1]
-    b = decide(collective, cfg, "k", table, layout, F32, Topology(4), model, 0)[1]
+    summary = CountSummary.of(collective, table, layout, Topology(4))
+    a = decide(cfg, "k", summary, F32, model, 1)[1]
+    b = decide(cfg, "k", summary, F32, model, 0)[1]
     assert a.keys() == b.keys() and all(b[name] == pytest.approx(a[name] - saved) for name in a)
 
 
@@ -419,3 +438,27 @@ def test_collective_bandwidth_prices_direct_and_native_but_not_ring():
     assert native[1] < native[0]
     with pytest.raises(ValueError, match="collective_bandwidth=0"):
         LinkCost(latency_s=0.0, bandwidth=1.0, collective_bandwidth=0)
+
+
+@settings(deadline=None, max_examples=80)
+@given(
+    collective=st.sampled_from(["all_gather", "reduce_scatter", "all_reduce"]),
+    world=st.integers(2, 8),
+    rpn=st.none() | st.integers(1, 4),
+    density=st.floats(0, 1),
+    tiles=st.integers(1, 8),
+    device=st.sampled_from(["cpu", "cuda"]),
+)
+def test_least_sparse_is_below_every_sparse_prediction(collective, world, rpn, density, tiles, device):
+    """The bound behind native calls without an exchange (``check_calls="first"``): no sparse
+    candidate, flat or hierarchical, of any data is predicted below it."""
+    n = world * tiles * TILE
+    layout = ChunkLayout.aligned(n, world) if collective == "all_reduce" else ChunkLayout.equal(n, world)
+    model = CostModel.default(device)
+    topology = Topology(world, rpn)
+    _, weighed = choose(
+        collective, CollectiveConfig(), _table(layout, density), layout, F32, topology, model, default_group=True
+    )
+    least = model.least_sparse(collective, n, F32, topology)
+    assert least > model.planning(collective, n, F32, world)
+    assert all(t >= least for name, t in weighed.items() if name != "native/dense"), (least, weighed)

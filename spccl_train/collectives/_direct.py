@@ -33,7 +33,7 @@ from ..formats import Format
 from ..transport import P2PTransport
 from ._wire import StatusSink, carve, decode, encode
 from .chunking import ChunkLayout
-from .plan import Message, Route, Step, wave_sizes
+from .plan import Message, Route, Step
 
 __all__ = ["direct_reduce_scatter", "direct_all_gather", "direct_all_reduce"]
 
@@ -168,7 +168,7 @@ class _Gather:
         self._mine = _by_wave([m for m in step.messages if m.src == rank and m.dst == (rank + 1) % p], ch)
         self._theirs = _by_wave(step.received_by(rank), ch)
         self._padded = step.route is Route.ALL_GATHER
-        size_of = wave_sizes(step, p, ch)
+        size_of = step.wave_bytes
         self._recv_sizes = [[max(size_of[k]) if self._padded else size_of[k][q] for q in range(p)] for k in range(ch)]
         bufs = carve(out.device, [*(sizes[rank] for sizes in self._recv_sizes), *map(sum, self._recv_sizes)])
         self._sendbufs, self._recvbufs = bufs[:ch], bufs[ch:]

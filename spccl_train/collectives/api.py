@@ -25,25 +25,30 @@ import torch.distributed as dist
 
 from .._timing import Span
 from ..formats import MAX_ELEMENTS, SUPPORTED_DTYPES, Format
+from ..formats.layout import element_size
 from ..transport import P2PTransport
 from ..transport.dense import all_gather_flat, reduce_scatter_flat
 from . import hierarchical
 from ._direct import direct_all_gather, direct_all_reduce, direct_reduce_scatter
 from ._ring import ring_all_gather, ring_reduce_scatter
 from ._wire import StatusSink
-from .choice import decide, plan_candidate
+from .choice import NATIVE_MARGIN, decide, plan_candidate
 from .chunking import ChunkLayout, count_nonzero_pieces
 from .config import CollectiveConfig
 from .cost import CostModel
 from .exchange import (
+    Counts,
     Problem,
     Request,
     check_bounds,
     check_local,
     check_table,
     config_code,
+    exchange_bytes,
     exchange_counts,
     exchange_reduced_counts,
+    exchange_scalable,
+    protocol,
 )
 from .feedback import Corrections, factor_of
 from .graphs import graph_key, remember_bounds, remembered_bounds, run_graphed
@@ -55,7 +60,8 @@ from .hierarchical import (
     subgroups,
 )
 from .links import Measured, measured_model
-from .plan import Plan, bound_reduced_counts, plan_all_gather
+from .plan import Plan
+from .rank_plan import plan_all_gather_for
 from .topology import Topology
 
 __all__ = [
@@ -110,6 +116,11 @@ class CollectiveStats:
     steps: tuple[CollectiveStats, ...] = ()
     """A hierarchical call's steps, in order (the all-reduce: inside the node, across nodes, inside
     the node); empty for flat calls. The step across nodes says what crossed the network."""
+    exchange: str = ""
+    """How the call's counts were exchanged: ``"table"`` or ``"scalable"`` (:func:`.exchange.protocol`);
+    ``""`` when nothing was (a call with bounds, a local call)."""
+    exchange_bytes: int = 0
+    """Bytes this rank received in the call's count exchanges (a hierarchical call: its steps' too)."""
 
     @property
     def decode_status(self) -> torch.Tensor | None:
@@ -414,9 +425,12 @@ def _hierarchical_stats(
     timer: Span,
     predicted: float,
     candidates: dict[str, float],
+    how: str,
+    received: int,
 ) -> CollectiveStats:
-    """One call's stats from its steps' (after the flat exchange: one more). ``chunk``: elements
-    per rank's chunk, for the dense ring's bytes."""
+    """One call's stats from its steps' (after the flat exchange, by protocol ``how``, which
+    delivered ``received`` bytes: one more). ``chunk``: elements per rank's chunk, for the dense
+    ring's bytes."""
     p = transport.world
     statuses = [part._statuses for part in parts if part._statuses is not None]
     return CollectiveStats(
@@ -434,6 +448,8 @@ def _hierarchical_stats(
         _statuses=torch.cat(statuses) if statuses else None,
         _timer=timer,
         steps=tuple(parts),
+        exchange=how,
+        exchange_bytes=received + sum(part.exchange_bytes for part in parts),
     )
 
 
@@ -669,9 +685,14 @@ def _run(
 
     x = inp.view(-1) if not problems else inp
     corrections = _corrections(config, transport)
+    if bounds is None and _goes_native_unexchanged(collective, config, request, layout, transport, rpn):
+        if planning_stream is not None:  # the input is ready on the planning stream
+            torch.cuda.current_stream(inp.device).wait_stream(planning_stream)
+        return _native_call(collective, transport, config, rpn, layout, x, out.view(-1), corrections, timer)
+    how = ""  # the exchange protocol; none for a call with bounds
     if bounds is not None:  # planned from the caller's bounds: no count, no exchange, no synchronisation
         check_local(request, p, transport.backend)
-        table = check_bounds(bounds, layout, collective)
+        counts = Counts.from_table(collective, check_bounds(bounds, layout, collective), layout, r)
         if config.gather_counts == "measured" and collective == "all_reduce":
             raise ValueError(
                 "spccl_train.all_reduce: gather_counts='measured' needs a second count exchange, which a call with "
@@ -681,11 +702,16 @@ def _run(
             config, fingerprint = _bounded_config(config, fingerprint)
             fingerprint += nodes
     else:
-        table, xdev = _exchange(
-            collective, request, layout, x, r, p * config.channels, planner, planning_stream, corrections
+        how = protocol(p, config.algorithm)
+        counts, xdev = _exchange(
+            collective, request, layout, x, Topology(p, rpn), planner, planning_stream, corrections, how
         )
-    # From here on every rank holds the same valid table and computes the same decisions.
+    # From here on every rank holds the same counts (or summaries) and computes the same decisions.
+    if how:
+        _checked.setdefault(transport, set()).add(_signature(request))
     topology = Topology(p, rpn)
+    scalable = counts.table is None
+    received = exchange_bytes(how, collective, p, config.channels, topology) if how else 0
     measured = _model(config, transport, topology, inp.device)
     default_group = hierarchical.is_world(transport.group)
     model, key = measured.model, f"{fingerprint}|{measured.tag}|{'default group' if default_group else 'subgroup'}"
@@ -700,23 +726,30 @@ def _run(
             event = timer.stop()
             predicted = sum(part.predicted_s for part in parts) + model.planning(collective, layout.numel, inp.dtype, p)
             stats = _hierarchical_stats(
-                collective, transport, chunk, inp.element_size(), parts, timer, predicted, {"hierarchical": predicted}
+                collective,
+                transport,
+                chunk,
+                inp.element_size(),
+                parts,
+                timer,
+                predicted,
+                {"hierarchical": predicted},
+                how,
+                received,
             )
             return stats, event
         config = dataclasses.replace(config, algorithm="auto")  # (the memo key keeps "hierarchical")
     factors = corrections.factors_for(collective, nbytes) if corrections is not None else None
     choice, weighed = decide(
-        collective,
         config,
-        key,
-        table,
-        layout,
+        f"{key}|{'scalable' if scalable else 'table'}",
+        counts.summary(layout, topology),
         inp.dtype,
-        topology,
         model,
         0 if bounds is not None else 1,
         factors,
         default_group,
+        ("direct",) if scalable else ("ring", "direct"),
     )
     if choice.algorithm == "hierarchical":  # auto chose it: the steps exchange and plan on the node subgroups
         parts = _hierarchical_steps(collective, transport, config, topology.ranks_per_node, inp, out)
@@ -726,10 +759,10 @@ def _run(
                 collective, choice.name, nbytes, choice.predicted_s / factor_of(factors, choice.name), timer
             )
         stats = _hierarchical_stats(
-            collective, transport, chunk, inp.element_size(), parts, timer, choice.predicted_s, weighed
+            collective, transport, chunk, inp.element_size(), parts, timer, choice.predicted_s, weighed, how, received
         )
         return stats, event
-    plan = plan_candidate(choice, collective, config, table, layout, inp.dtype, topology)
+    plan = plan_candidate(choice, collective, config, counts, layout, inp.dtype, topology, r)
     sink = StatusSink(inp.device)
     y = out.view(-1)
     exchanges = 0 if bounds is not None else 1
@@ -750,7 +783,8 @@ def _run(
             measured = choice.gather_counts == "measured"
 
             def plan_gather(counts: list[list[int]]) -> Plan:
-                return plan_all_gather(
+                return plan_all_gather_for(
+                    r,
                     counts,
                     layout,
                     inp.dtype,
@@ -763,7 +797,7 @@ def _run(
                 )
 
             # sized for what the sums can hold (no second exchange), or after measuring below
-            gather = None if measured else plan_gather(bound_reduced_counts(table, layout))
+            gather = None if measured else plan_gather(counts.reduced_bounds())
             if choice.algorithm == "direct" and gather is not None:  # both phases known: interleaved by wave
                 direct_all_reduce(transport, plan.steps[0], gather.steps[0], layout, x, sink)
             else:
@@ -771,6 +805,7 @@ def _run(
                 if measured:
                     reduced = exchange_reduced_counts(transport, count_nonzero_pieces(x, layout, [r], base=0), xdev)
                     exchanges += 1
+                    received += 8 * p * (1 + layout.channels)
                     gather = plan_gather(reduced)
                 _gather_phase(choice.algorithm, transport, gather, layout, x, x, 0, sink, held)
             plan = plan.then(gather)
@@ -794,6 +829,8 @@ def _run(
         graph="",
         _statuses=sink.collect(),
         _timer=timer,
+        exchange=how,
+        exchange_bytes=received,
     )
     if r == 0 and _log.isEnabledFor(logging.DEBUG):
         _log.debug(
@@ -805,6 +842,101 @@ def _run(
             weighed,
             plan.describe() if plan else "native",
         )
+    return stats, event
+
+
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per transport (weakly), the call signatures (:func:`_signature`) a count exchange has checked
+on every rank: a call of one of them that ``auto`` sends native skips the exchange."""
+
+
+def _signature(request: Request) -> tuple[int, ...]:
+    """A call's header without its ``observed`` time: what the count exchange compares across ranks."""
+    return tuple(request.header()[:-1])
+
+
+def _goes_native_unexchanged(
+    collective: str,
+    config: CollectiveConfig,
+    request: Request,
+    layout: ChunkLayout | None,
+    transport: P2PTransport,
+    rpn: int | None,
+) -> bool:
+    """Whether this call runs the native collective without a count exchange: ``check_calls="first"``,
+    ``auto`` may choose native (``format`` auto or dense, ``algorithm`` auto), an exchange already
+    checked this call's shape on every rank of the group, and no sparse candidate can win: even
+    its lower bound (:meth:`.cost.CostModel.least_sparse`, what any data would cost it at least),
+    corrected by what the group learned, misses native's prediction by :data:`NATIVE_MARGIN`.
+    Every input is equal on every rank (the shape, the config, the model and its corrections), so
+    every rank decides alike, as long as their calls have the same shape."""
+    if (
+        config.check_calls != "first"
+        or config.algorithm != "auto"
+        or config.format not in ("auto", "dense")
+        or layout is None
+        or request.problems
+        or _signature(request) not in _checked.get(transport, ())
+    ):
+        return False
+    if config.format == "dense":
+        return True
+    topology = Topology(transport.world, rpn)
+    model = _model(config, transport, topology, request.device).model  # made by the checked call already
+    corrections = _corrections(config, transport)
+    factors = (
+        corrections.factors_for(collective, layout.numel * element_size(request.dtype))
+        if corrections is not None
+        else None
+    )
+    sparse_factor = min(
+        factor_of(factors, name) for name in ("ring/pici", "ring/coo", "direct/pici", "direct/coo", "hierarchical")
+    )
+    native = model.predict_native(collective, layout.numel, request.dtype, topology) * factor_of(
+        factors, "native/dense"
+    )
+    least = model.least_sparse(collective, layout.numel, request.dtype, topology) * sparse_factor
+    return least >= native * (1 - NATIVE_MARGIN)
+
+
+def _native_call(
+    collective: str,
+    transport: P2PTransport,
+    config: CollectiveConfig,
+    rpn: int | None,
+    layout: ChunkLayout,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    corrections: Corrections | None,
+    timer: Span,
+) -> tuple[CollectiveStats, torch.cuda.Event | None]:
+    """The native collective with no exchange (:func:`_goes_native_unexchanged`)."""
+    p = transport.world
+    topology = Topology(p, rpn)
+    model = _model(config, transport, topology, x.device).model
+    predicted = model.predict_native(collective, layout.numel, x.dtype, topology, exchanges=0)
+    _native(collective, transport, x, y)
+    event = timer.stop()
+    nbytes = layout.numel * x.element_size()
+    if corrections is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        corrections.called(collective, "native/dense", nbytes, predicted, timer)
+        predicted *= factor_of(corrections.factors_for(collective, nbytes), "native/dense")
+    dense = (p - 1) * (layout.numel // p) * x.element_size() * (2 if collective == "all_reduce" else 1)
+    stats = CollectiveStats(
+        collective=collective,
+        algorithm="native",
+        format=Format.DENSE,
+        plan=None,
+        predicted_s=predicted,
+        candidates={"native/dense": predicted},
+        exchanges=0,
+        gather_counts="",
+        bytes_sent=dense,
+        dense_bytes=dense,
+        graph="",
+        _statuses=None,
+        _timer=timer,
+    )
     return stats, event
 
 
@@ -843,14 +975,16 @@ def _exchange(
     request: Request,
     layout: ChunkLayout | None,
     x: torch.Tensor,
-    r: int,
-    width: int,
+    topology: Topology,
     planner: P2PTransport,
     planning_stream: torch.cuda.Stream | None,
     corrections: Corrections | None,
-) -> tuple[list[list[int]], torch.device]:
-    """Count this rank's pieces and exchange the counts (the call's host synchronisation), with
-    the time of this rank's previous call on the group, which ``corrections`` learns from."""
+    how: str = "table",
+) -> tuple[Counts, torch.device]:
+    """Count this rank's pieces and exchange the counts (the call's host synchronisations) by the
+    ``how`` protocol (:func:`.exchange.protocol`), with the time of this rank's previous call on
+    the group, which ``corrections`` learns from."""
+    r = planner.rank
     counts = None
     with torch.cuda.stream(planning_stream) if planning_stream is not None else contextlib.nullcontext():
         if layout is not None and not request.problems:
@@ -859,12 +993,17 @@ def _exchange(
             else:
                 counts = count_nonzero_pieces(x, layout)
         observed = corrections.report() if corrections is not None else -1
-        table, xdev, times = exchange_counts(planner, request, counts, width, observed)
+        if how == "scalable":
+            shared, xdev, times = exchange_scalable(planner, request, counts, layout, topology, observed)
+        else:
+            width = topology.world * request.channels
+            table, xdev, times = exchange_counts(planner, request, counts, width, observed)
+            shared = None if layout is None else Counts.from_table(request.collective, table, layout, r)
     if corrections is not None:
         corrections.learn(times)
     if planning_stream is not None:  # what the planning stream waited for, the transfers wait for too
         torch.cuda.current_stream(x.device).wait_stream(planning_stream)
-    return table, xdev
+    return shared, xdev
 
 
 BOUND_HEADROOM = 1.0625
@@ -891,17 +1030,17 @@ def _measured_bounds(
     ``fingerprint``: ``config.fingerprint()``."""
     request, problems, _, layout = _request(collective, transport, config, fingerprint, inp, out)
     x = inp.view(-1) if not problems else inp
-    table, _ = _exchange(
+    exchanged, _ = _exchange(
         collective,
         request,
         layout,
         x,
-        transport.rank,
-        transport.world * config.channels,
+        Topology(transport.world, None),
         planner,
         planning_stream,
         _corrections(config, transport),
-    )
+    )  # the table protocol: every rank derives every rank's bounds
+    table = exchanged.table.tolist()
     assert layout is not None  # the exchange raised on every rank otherwise
     sizes = [piece.numel for chunk in layout.pieces for piece in chunk]
     limits = [

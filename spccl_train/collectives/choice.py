@@ -1,4 +1,4 @@
-"""Picking the algorithm and format of one call: every candidate the config allows, planned and priced.
+"""Picking the algorithm and format of one call: every candidate the config allows, priced.
 
 With ``format="auto"`` the candidates are Pici and COO under each allowed algorithm, plus the
 native dense ``torch.distributed`` collective, which comes first and keeps the call unless a
@@ -6,25 +6,22 @@ sparse candidate is predicted :data:`NATIVE_MARGIN` faster, so ``auto`` never pi
 model predicts slower than dense. A fixed sparse format weighs only
 its algorithms; ``format="dense", algorithm="auto"`` is the native call. An all-reduce's gather
 phase is looked ahead at in both ways it can be sized (``CollectiveConfig.gather_counts``): from
-the bound of the first exchange (:func:`~.plan.bound_reduced_counts`, one synchronisation) or
-from a second exchange (:func:`~.plan.estimate_reduced_counts` predicts what it will count);
-the cheaper wins. All inputs are equal on every rank, so every rank picks alike.
+the bound of the first exchange (one synchronisation) or from a second exchange (whose counts
+the summary's estimate predicts); the cheaper wins.
 
-:func:`decide` is what a call uses: the same choice made from the count table rounded to 1/16
-of an octave of density (:func:`quantize_counts`) and memoised, so calls with the same sparsity
-profile (every training step, every benchmark repetition) skip the weighing. The decision is a
-pure function of the rounded table, so ranks agree whatever their caches hold; the call then
-plans the chosen candidate from its exact counts.
+Candidates are weighed from the count table's :class:`~.summary.CountSummary` (O(world x
+channels) numbers), not from plans, and only the chosen one is planned, for this rank alone
+(:func:`plan_candidate`). :func:`decide` is what a call uses: the choice made from the summary
+rounded to 1/16 of an octave of density and memoised, so calls with the same sparsity profile
+(every training step, every benchmark repetition) skip the weighing. All inputs are equal on
+every rank and the decision is a pure function of them, so every rank picks alike.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-import numpy as np
 import torch
 
 from ..formats import Format
@@ -32,11 +29,14 @@ from . import hierarchical
 from .chunking import ChunkLayout
 from .config import CollectiveConfig
 from .cost import CostModel
+from .exchange import Counts
 from .feedback import factor_of
-from .plan import Plan, bound_reduced_counts, estimate_reduced_counts, plan_all_gather, plan_reduce_scatter
+from .plan import Plan
+from .rank_plan import plan_all_gather_for, plan_direct_reduce_scatter_for, plan_reduce_scatter_for
+from .summary import CountSummary, predict
 from .topology import Topology
 
-__all__ = ["Candidate", "choose", "decide", "plan_candidate", "quantize_counts", "clear_decisions"]
+__all__ = ["Candidate", "choose", "weigh", "decide", "plan_candidate", "clear_decisions"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,9 +47,6 @@ class Candidate:
     """``"native"``, ``"ring"``, ``"direct"`` or ``"hierarchical"``."""
     format: Format
     """The sparse format its plan may use (``DENSE`` for native)."""
-    plan: Plan | None
-    """Its plan (an all-reduce: the reduce-scatter phase only); ``None`` for native and hierarchical
-    (whose steps plan themselves)."""
     predicted_s: float
     """The cost model's prediction, planning exchanges included."""
     gather_counts: str = ""
@@ -65,7 +62,7 @@ class Candidate:
 def choose(
     collective: str,
     config: CollectiveConfig,
-    counts: Sequence[Sequence[int]],
+    counts: object,
     layout: ChunkLayout,
     dtype: torch.dtype,
     topology: Topology,
@@ -80,7 +77,8 @@ def choose(
         collective: ``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``.
         config: the call's config (format, algorithm, thresholds, gather_counts).
         counts: the exchanged table: ``counts[q]`` is rank ``q``'s ``world * channels`` per-piece
-            nonzero counts (for an all-gather only the first ``channels``, its input's, are used).
+            nonzero counts (for an all-gather only the first ``channels``, its input's, are used),
+            as nested sequences or an int64 array.
         layout, dtype, topology: the call's chunks, element type and nodes.
         model: the cost model.
         exchanges: planning exchanges (each with its count pass) every candidate pays: 1, or 0
@@ -89,47 +87,50 @@ def choose(
             each candidate's prediction is multiplied by :func:`.feedback.factor_of`.
         default_group: the call is on the default group, so an all-reduce across nodes may weigh
             the hierarchical one (:mod:`.hierarchical`; its subgroups are made from that group).
+
+    The candidates are weighed from the table's :class:`~.summary.CountSummary`, not from plans:
+    every candidate comes without one (:func:`plan_candidate` plans the chosen one).
     """
+    summary = CountSummary.of(collective, counts, layout, topology)
+    return weigh(summary, config, dtype, model, exchanges, factors, default_group)
+
+
+def weigh(
+    summary: CountSummary,
+    config: CollectiveConfig,
+    dtype: torch.dtype,
+    model: CostModel,
+    exchanges: int = 1,
+    factors: Mapping[str, float] | None = None,
+    default_group: bool = False,
+    algorithms: tuple[str, ...] = ("ring", "direct"),
+) -> tuple[Candidate, dict[str, float]]:
+    """:func:`choose` from a summary: O(world x channels) array work per candidate. ``algorithms``:
+    the flat ones ``algorithm="auto"`` may weigh (the scalable exchange cannot size a ring)."""
+    collective, layout, topology = summary.collective, summary.layout, summary.topology
     native_only = config.format == "dense" and config.algorithm == "auto"
-    candidates: list[Candidate] = []
+    candidates: list[tuple[Candidate, bool]] = []  # with: does it send anything sparse
     native_weighed = config.format == "auto" or native_only
     if native_weighed:
         predicted = model.predict_native(collective, layout.numel, dtype, topology, exchanges)
-        candidates.append(Candidate("native", Format.DENSE, None, predicted))
+        candidates.append((Candidate("native", Format.DENSE, predicted), True))
     if not native_only:
         formats = [Format.PICI, Format.COO] if config.format == "auto" else [Format(config.format)]
-        algorithms = ["ring", "direct"] if config.algorithm == "auto" else [config.algorithm]
+        flat = list(algorithms) if config.algorithm == "auto" else [config.algorithm]
         for fmt in formats:
             th = config.thresholds.resolve(fmt)
-            for algorithm in algorithms:
-                plan = plan_candidate(
-                    Candidate(algorithm, fmt, None, 0.0), collective, config, counts, layout, dtype, topology
-                )
+            for algorithm in flat:
                 if collective != "all_reduce":
-                    candidates.append(Candidate(algorithm, fmt, plan, model.predict(plan, exchanges)))
+                    got = predict(model, summary, dtype, algorithm, fmt, th, exchanges)
+                    candidates.append((Candidate(algorithm, fmt, got.seconds), got.sparse))
                     continue
-                best_gather: tuple[float, str] | None = None
+                best_gather = None
                 for mode in _gather_modes(config.gather_counts, fmt):
-                    reduced = (
-                        bound_reduced_counts(counts, layout)
-                        if mode == "bound"
-                        else estimate_reduced_counts(counts, layout)
-                    )
-                    ahead = plan_all_gather(
-                        reduced,
-                        layout,
-                        dtype,
-                        fmt=fmt,
-                        algorithm=algorithm,
-                        threshold=th.ag,
-                        topology=topology,
-                        collective=collective,
-                        measured=False,
-                    )
-                    predicted = model.predict(plan.then(ahead), exchanges + (mode == "measured"))
-                    if best_gather is None or predicted < best_gather[0]:
-                        best_gather = (predicted, mode)
-                candidates.append(Candidate(algorithm, fmt, plan, best_gather[0], best_gather[1]))
+                    got = predict(model, summary, dtype, algorithm, fmt, th, exchanges, mode)
+                    if best_gather is None or got.seconds < best_gather[0].seconds:
+                        best_gather = (got, mode)
+                got, mode = best_gather
+                candidates.append((Candidate(algorithm, fmt, got.seconds, mode), got.sparse))
         if (
             collective == "all_reduce"
             and config.algorithm == "auto"
@@ -140,28 +141,27 @@ def choose(
         ):
             # after the flat call's exchange, the steps' own (each in its prediction); weighed only
             # where a step sends sparsely (all native, it is NCCL's work done slower)
-            predicted, sparse = hierarchical.predict(config, counts, layout, dtype, topology, model, choose)
+            predicted, sparse = hierarchical.predict(config, summary, dtype, model, choose)
             if sparse:
                 extra = model.planning(collective, layout.numel, dtype, topology.world, 1)
                 fmt = Format.PICI if config.format == "auto" else Format(config.format)
-                candidates.append(Candidate("hierarchical", fmt, None, predicted + extra))
+                candidates.append((Candidate("hierarchical", fmt, predicted + extra), True))
     if factors:
         candidates = [
-            dataclasses.replace(c, predicted_s=c.predicted_s * factor_of(factors, c.name)) for c in candidates
+            (dataclasses.replace(c, predicted_s=c.predicted_s * factor_of(factors, c.name)), sparse)
+            for c, sparse in candidates
         ]
-    best = candidates[0]
-    for candidate in candidates[1:]:
+    best = candidates[0][0]
+    for candidate, sparse in candidates[1:]:
         # A plan that sends nothing sparse is a dense collective run by SpCCL's own steps, which
         # NCCL's native one does better: with the native candidate weighed, it never wins.
-        dominated = (
-            native_weighed and candidate.plan is not None and not any(m.sparse for m in candidate.plan.messages())
-        )
+        dominated = native_weighed and not sparse
         # Leaving native takes a clear predicted win; other ties, up to rounding in the sums, go
         # to the earlier candidate.
         bar = best.predicted_s * ((1 - NATIVE_MARGIN) if best.algorithm == "native" else (1 - 1e-9))
         if not dominated and candidate.predicted_s < bar:
             best = candidate
-    return best, {c.name: c.predicted_s for c in candidates}
+    return best, {c.name: c.predicted_s for c, _ in candidates}
 
 
 NATIVE_MARGIN = 0.1
@@ -181,96 +181,51 @@ def _gather_modes(setting: str, fmt: Format) -> tuple[str, ...]:
 
 
 DENSITY_STEPS_PER_OCTAVE = 16
-"""Resolution of :func:`quantize_counts`: densities within 2**(1/16) (4.4%) share a decision."""
+"""Resolution of :func:`decide`: densities within 2**(1/16) (4.4%) share a decision."""
 _MAX_DECISIONS = 1024
 _decisions: dict[tuple, tuple[Candidate, dict[str, float]]] = {}
 
 
-def quantize_counts(counts: Sequence[Sequence[int]], layout: ChunkLayout, collective: str) -> list[list[int]]:
-    """``counts`` with every density rounded to 1/16 of an octave (empty and full pieces kept exact).
-
-    A count ``0 < x < n`` of a piece of ``n`` elements becomes ``round(n * 2**(-j/16))`` for the
-    nearest ``j`` (``j = round(-16 log2(x / n))``), clamped to ``[1, n - 1]``. For an all-gather
-    only each row's first ``channels`` counts (rank ``q``'s pieces of chunk ``q``) are kept.
-    """
-    return _quantized(counts, layout, collective).tolist()
-
-
-def _quantized(counts: Sequence[Sequence[int]], layout: ChunkLayout, collective: str) -> np.ndarray:
-    """:func:`quantize_counts` as an int64 array, vectorised: per distinct piece size, the level
-    of each count is found by integer-exact comparisons with that size's precomputed boundaries,
-    so the work is a few array passes over the table, not a Python call per count."""
-    table = np.asarray(counts, dtype=np.int64)
-    if collective == "all_gather":
-        table = table[:, : layout.channels]
-        sizes = np.array([[span.numel for span in layout.pieces[q]] for q in range(len(table))], dtype=np.int64)
-    else:
-        every = np.array([span.numel for chunk in layout.pieces for span in chunk], dtype=np.int64)
-        sizes = np.broadcast_to(every, table.shape)
-    out = table.copy()
-    inner = (table > 0) & (table < sizes)
-    for n in np.unique(sizes[inner]).tolist():
-        where = inner & (sizes == n)
-        ascending, levels = _levels(n)
-        # j = how many boundaries b_k (decreasing in k) are >= x: the nearest level's index
-        j = len(ascending) - np.searchsorted(ascending, table[where], side="left")
-        out[where] = levels[j]
-    return out
-
-
-@functools.lru_cache(maxsize=64)
-def _levels(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """For pieces of ``n`` elements: the boundaries ``n 2**(-(k + 1/2)/16)`` between levels ``k``
-    and ``k + 1``, ascending, and each level's count ``round(n 2**(-j/16))`` clamped to [1, n - 1]."""
-    steps = DENSITY_STEPS_PER_OCTAVE
-    top = math.ceil(steps * math.log2(n)) + 2  # levels 0..top cover counts down to 1
-    bounds = np.array([n * 2.0 ** (-(k + 0.5) / steps) for k in range(top)])
-    levels = np.array([min(n - 1, max(1, round(n * 2.0 ** (-j / steps)))) for j in range(top + 1)], dtype=np.int64)
-    return bounds[::-1].copy(), levels
-
-
 def decide(
-    collective: str,
     config: CollectiveConfig,
     fingerprint: str,
-    counts: Sequence[Sequence[int]],
-    layout: ChunkLayout,
+    summary: CountSummary,
     dtype: torch.dtype,
-    topology: Topology,
     model: CostModel,
     exchanges: int = 1,
     factors: Mapping[str, float] | None = None,
     default_group: bool = False,
+    algorithms: tuple[str, ...] = ("ring", "direct"),
 ) -> tuple[Candidate, dict[str, float]]:
-    """:func:`choose` on the :func:`quantize_counts` of ``counts``, memoised; the candidate comes without a plan.
+    """:func:`weigh` on the summary rounded to 1/16 of an octave of density
+    (:meth:`~.summary.CountSummary.rounded`), memoised: calls with the same sparsity profile (every
+    training step, every benchmark repetition) skip the weighing.
 
     ``fingerprint`` is ``config.fingerprint()`` plus anything else the cost model depends on
-    (the device type, for the default model, and ``default_group``). Equal on every rank for equal tables, whatever
-    each rank's memo holds.
+    (the device type, for the default model, ``default_group``, the exchange protocol). The
+    decision is a pure function of the rounded summary, so ranks agree whatever each rank's memo holds.
     """
-    rounded = _quantized(counts, layout, collective)
+    rounded = summary.rounded(DENSITY_STEPS_PER_OCTAVE)
+    layout = summary.layout
     corrected = tuple(sorted(factors.items())) if factors else ()
     key = (
-        collective,
+        summary.collective,
         fingerprint,
         exchanges,
         dtype,
         layout.numel,
         layout.world,
         layout.channels,
+        summary.topology,
+        algorithms,
         corrected,
-        rounded.shape,
-        rounded.tobytes(),
+        rounded.key(),
     )
     hit = _decisions.get(key)
     if hit is None:
         if len(_decisions) >= _MAX_DECISIONS:
             _decisions.clear()  # a pure memo: forgetting only costs a recomputation
-        table = rounded.tolist()
-        best, weighed = choose(
-            collective, config, table, layout, dtype, topology, model, exchanges, factors, default_group
-        )
-        hit = _decisions[key] = (dataclasses.replace(best, plan=None), weighed)
+        hit = _decisions[key] = weigh(rounded, config, dtype, model, exchanges, factors, default_group, algorithms)
     return hit
 
 
@@ -283,32 +238,46 @@ def plan_candidate(
     candidate: Candidate,
     collective: str,
     config: CollectiveConfig,
-    counts: Sequence[Sequence[int]],
+    counts: Counts,
     layout: ChunkLayout,
     dtype: torch.dtype,
     topology: Topology,
+    rank: int,
 ) -> Plan | None:
-    """The plan of ``candidate`` from the exact ``counts`` (an all-reduce: its reduce-scatter phase)."""
+    """Rank ``rank``'s plan of ``candidate`` from the exact counts it was given (an all-reduce: its
+    reduce-scatter phase): the messages it sends and receives (:mod:`.rank_plan`). A ring needs
+    the whole table (the table protocol)."""
     if candidate.algorithm == "native":
         return None
     th = config.thresholds.resolve(candidate.format)
+    fmt, algorithm = candidate.format, candidate.algorithm
     if collective == "all_gather":
-        ch = layout.channels
-        return plan_all_gather(
-            [row[:ch] for row in counts],
+        return plan_all_gather_for(
+            rank, counts.gathered, layout, dtype, fmt=fmt, algorithm=algorithm, threshold=th.ag, topology=topology
+        )
+    if algorithm == "direct":
+        return plan_direct_reduce_scatter_for(
+            rank,
+            counts.row,
+            counts.column,
             layout,
             dtype,
-            fmt=candidate.format,
-            algorithm=candidate.algorithm,
-            threshold=th.ag,
+            fmt=fmt,
+            thresholds=th,
             topology=topology,
+            collective=collective,
         )
-    return plan_reduce_scatter(
-        counts,
+    if counts.table is None:
+        raise ValueError(
+            f"a {algorithm} plan needs every rank's counts (the table protocol); this call exchanged summaries"
+        )
+    return plan_reduce_scatter_for(
+        rank,
+        counts.table,
         layout,
         dtype,
-        fmt=candidate.format,
-        algorithm=candidate.algorithm,
+        fmt=fmt,
+        algorithm=algorithm,
         thresholds=th,
         topology=topology,
         collective=collective,

@@ -23,6 +23,7 @@ _FORMATS = ("auto", "pici", "coo", "dense")
 _ALGORITHMS = ("auto", "ring", "direct", "hierarchical")
 _GATHER_COUNTS = ("auto", "bound", "measured")
 _COST_MODELS = ("measured", "default")
+_CHECK_CALLS = ("every", "first")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -148,6 +149,16 @@ class CollectiveConfig:
     :func:`~.graphs.clear_graphs` on every rank before ``destroy_process_group``. Other calls
     run as usual. Capturing is collective for NCCL, and ``auto`` prices replayed calls without
     host launch costs (:meth:`~.cost.CostModel.replayed`), so it must be equal on every rank."""
+    check_calls: str = "every"
+    """``"every"``: each call's count exchange compares the ranks' calls, so a bad call (a size,
+    dtype or config that differs, a bad tensor on one rank) raises the same ``ValueError`` on every
+    rank. ``"first"``: a call shape (collective, sizes, dtypes, config) is compared once, on its
+    first call; after that a call of that shape that ``auto`` can tell from its sizes alone will go
+    native (no sparse candidate could win even with no nonzeros: small calls, fast links) runs the
+    native collective with no exchange at all. The price: ranks whose later calls diverge (one
+    rank passing another size, or a bad tensor, in a shape checked before) are no longer told and
+    hang in the native collective, as ``torch.distributed``'s own calls do. For callers whose call
+    shapes are fixed by construction (a DDP hook's buckets)."""
     cost_model: CostModel | str | None = "measured"
     """Link and codec speeds for ``"auto"``. ``"measured"``: measured on the group's first call
     (:mod:`.links`: link latency and bandwidth per hop kind, the exchange's latency, codec
@@ -189,6 +200,10 @@ class CollectiveConfig:
         ch = self.channels
         if isinstance(ch, bool) or not isinstance(ch, int) or not 1 <= ch <= MAX_CHANNELS:
             raise ValueError(f"channels={ch!r} must be an int from 1 to {MAX_CHANNELS}; 1 disables piece pipelining")
+        if self.check_calls not in _CHECK_CALLS:
+            raise ValueError(
+                f"check_calls={self.check_calls!r} is not one of {', '.join(map(repr, _CHECK_CALLS))}; pick one of them"
+            )
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs={self.cuda_graphs!r} must be True or False")
         if not isinstance(self.cost_model, CostModel) and self.cost_model not in (*_COST_MODELS, None):
@@ -209,6 +224,7 @@ class CollectiveConfig:
             _canon(self.ranks_per_node),
             str(self.channels),
             "graphs" if self.cuda_graphs else "eager",
+            f"check {self.check_calls}",
             cost,
         ]
         return "|".join(parts)

@@ -234,6 +234,24 @@ class CostModel:
             return total + scatter
         return total + scatter + gather
 
+    def least_sparse(self, collective: str, numel: int, dtype: torch.dtype, topology: Topology) -> float:
+        """A lower bound of every sparse candidate's prediction for this call, whatever its data:
+        one count pass and exchange, and the fewest steps any algorithm takes (a direct call: one
+        per phase), each with its fixed cost and the smallest link latency. No data-dependent term
+        (bytes, codecs) is counted, so no plan of any sparsity is predicted below it."""
+        total = self.planning(collective, numel, dtype, topology.world)
+        if topology.world == 1 or numel == 0:
+            return total
+        kinds = (
+            [self.intra]
+            if topology.nodes == 1
+            else [self.inter]
+            if topology.ranks_per_node == 1
+            else [self.intra, self.inter]
+        )
+        steps = 2 if collective == "all_reduce" else 1
+        return total + steps * (self.step_s + min(link.latency_s for link in kinds))
+
     def _encode(self, m: Message) -> float:
         if not m.sparse:
             return 0.0

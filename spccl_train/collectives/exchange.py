@@ -1,29 +1,64 @@
-"""The planning exchange: one all-gather, per collective, of each rank's call and nonzero counts.
+"""The planning exchange: every rank's call and nonzero counts, checked and shared.
 
-Every rank contributes one int64 row: a header describing its call (which collective, numel,
-dtypes, device, a fingerprint of its config, and any local argument problems), then the nonzero
-count of every piece it holds (``world * channels`` slots, so the row length is equal on every
-rank whatever the tensors are). One ``all_gather`` and one ``.tolist()`` later every rank holds
-the same table, checks it with the same code, and so either plans the same collective or raises
-the same ``ValueError``: a bad argument on one rank never leaves the others hanging.
+Two protocols; every rank picks the same one from the group size and the algorithm asked for
+(:func:`protocol`), before anything is sent.
 
-An all-reduce exchanges a second, shorter row (the counts of its reduced chunk) before its
-gather phase.
+**table** (groups under :data:`SCALABLE_WORLD` ranks, rings, calls whose bounds are derived from
+counts): one all-gather, per collective, of one int64 row per rank: a header describing its call
+(which collective, numel, dtypes, device, a fingerprint of its config, and any local argument
+problems), then the nonzero count of every piece it holds (``world * channels`` slots, so the row
+length is equal on every rank whatever the tensors are). One host synchronisation later every
+rank holds the same table, checks it with the same code, and so either plans the same collective
+or raises the same ``ValueError``: a bad argument on one rank never leaves the others hanging.
+Each rank receives ``world * (11 + world * channels)`` int64: O(world^2).
+
+**scalable** (larger groups, direct and hierarchical): three rounds, each one host
+synchronisation, O(world x channels) int64 per rank:
+
+1. an all-reduce (max) of every rank's header and its negation: the fields' maxima and minima.
+   Where they differ, or a rank has problems, every rank gathers the headers (only then) and
+   raises the table protocol's error;
+2. the counts: an all-to-all (reduce-scatter and all-reduce: rank ``q`` sends rank ``c`` its
+   counts of chunk ``c``, so each rank gets its own chunk's column) or an all-gather of the
+   ``channels`` counts of each rank's input (all-gather);
+3. reduce-scatter and all-reduce: what the owners alone know, for the cost model and the gather
+   phase: an all-reduce (max) of each rank's nonzeros sent and received per hop kind, an
+   all-reduce (sum) of the expected nonzeros of every reduced piece index and of every rank's
+   nonzeros, and (all-reduce) an all-gather of every reduced piece's bound.
+
+Each rank receives ``2 x world x channels`` int64 (16 bytes per rank and piece) and about 250
+bytes of headers, sums and maxima (:func:`exchange_bytes`). The summary ``auto`` weighs is then made
+of maxima and means (:meth:`Counts.summary`) rather than of the whole table, and rings, which
+need the whole table to size their steps, are weighed only under the table protocol.
+
+An all-reduce that measures its gather phase exchanges a second, shorter row (the counts of its
+reduced chunk) before it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import zlib
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..formats import MAX_ELEMENTS, SUPPORTED_DTYPES
 from ..transport import P2PTransport
 from .chunking import ChunkLayout
+from .summary import CountSummary
+from .topology import Topology
 
 __all__ = [
+    "Counts",
+    "SCALABLE_WORLD",
+    "protocol",
+    "exchange_scalable",
+    "owner_terms",
+    "exchange_bytes",
     "Problem",
     "Request",
     "COLLECTIVES",
@@ -155,7 +190,7 @@ def config_code(fingerprint: str) -> int:
 
 def exchange_counts(
     transport: P2PTransport, request: Request, counts: torch.Tensor | None, width: int, observed: int = -1
-) -> tuple[list[list[int]], torch.device, list[int]]:
+) -> tuple[np.ndarray, torch.device, list[int]]:
     """All-gather every rank's header and ``width`` counts; check them; return the counts table.
 
     Args:
@@ -167,7 +202,8 @@ def exchange_counts(
         observed: the header's ``observed`` field (:mod:`.feedback`).
 
     Returns:
-        ``(table, device, observed)``: ``table[q]`` is rank ``q``'s ``width`` counts; ``device`` is
+        ``(table, device, observed)``: ``table[q]`` is rank ``q``'s ``width`` counts (an int64
+        array of ``world`` rows); ``device`` is
         where the exchange ran; ``observed[q]`` is rank ``q``'s ``observed`` field.
 
     Raises:
@@ -180,9 +216,215 @@ def exchange_counts(
     row[: len(HEADER_FIELDS)].copy_(header, non_blocking=True)
     if counts is not None and counts.numel():
         row[len(HEADER_FIELDS) : len(HEADER_FIELDS) + counts.numel()].copy_(counts, non_blocking=True)
-    table = transport.all_gather_rows(row).tolist()  # the collective's one host synchronisation
-    check_table(table, request.collective, transport.world, transport.backend)
-    return [r[len(HEADER_FIELDS) :] for r in table], device, [r[_OBSERVED] for r in table]
+    rows = transport.all_gather_rows(row).cpu().numpy()  # the collective's one host synchronisation
+    headers = rows[:, : len(HEADER_FIELDS)].tolist()
+    check_table(headers, request.collective, transport.world, transport.backend)
+    return rows[:, len(HEADER_FIELDS) :], device, [r[_OBSERVED] for r in headers]
+
+
+SCALABLE_WORLD = 32
+"""Groups of at least this many ranks use the scalable protocol (unless a ring is asked for).
+``SPCCL_SCALABLE_EXCHANGE_WORLD`` overrides it (equal on every rank; tests use small values).
+From 32 ranks the table (``world^2 x channels`` int64 per rank, 16 KiB at 32 ranks and 2
+channels; 16 MiB at 1024) costs more than the two extra synchronisations; below, one round wins."""
+
+
+def protocol(world: int, algorithm: str) -> str:
+    """``"table"`` or ``"scalable"``: what every rank of a group of ``world`` uses for a call of
+    ``algorithm`` (from the config, equal on every rank); rings always use the table."""
+    threshold = int(os.environ.get("SPCCL_SCALABLE_EXCHANGE_WORLD", SCALABLE_WORLD))
+    return "scalable" if world >= max(2, threshold) and algorithm != "ring" else "table"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Counts:
+    """What a count exchange (or a caller's bounds) gave one rank: enough to summarise the call for
+    ``auto`` and to plan this rank's messages. Arrays are int64."""
+
+    collective: str
+    rank: int
+    row: np.ndarray
+    """``row[c, k]``: this rank's count of piece ``k`` of chunk ``c`` (an all-gather: ``(1, channels)``,
+    its input's)."""
+    column: np.ndarray | None
+    """``column[q, k]``: rank ``q``'s count of piece ``k`` of this rank's chunk (``None``: all-gather)."""
+    gathered: np.ndarray | None
+    """``gathered[c, k]``: an all-gather's every input count; an all-reduce's every reduced piece's
+    bound (``min(n, sum)``); ``None`` for a reduce-scatter."""
+    table: np.ndarray | None = None
+    """The table protocol: every rank's row, ``(world, world * channels)``; ``None`` under the scalable one."""
+    sent_max: np.ndarray | None = None
+    """Scalable: per hop kind (intra, inter), the most nonzeros one rank sends of other ranks' chunks."""
+    received_max: np.ndarray | None = None
+    """Scalable: per hop kind, the most nonzeros one rank receives for its chunk."""
+    estimate_sum: np.ndarray | None = None
+    """Scalable all-reduce: per piece index, the expected nonzeros of the reduced pieces, summed over chunks."""
+    held_sum: int = 0
+    """Scalable: every rank's nonzeros, summed."""
+
+    @classmethod
+    def from_table(cls, collective: str, table: object, layout: ChunkLayout, rank: int) -> Counts:
+        """A whole table's counts as this rank sees them (the table protocol, or a caller's bounds)."""
+        p, ch = layout.world, layout.channels
+        full = np.asarray(table, dtype=np.int64).reshape(p, -1)
+        if collective == "all_gather":
+            own = full[:, :ch]
+            return cls(collective, rank, own[rank : rank + 1], None, own, full)
+        cube = full[:, : p * ch].reshape(p, p, ch)
+        bound = None
+        if collective == "all_reduce":
+            n = np.array([[s.numel for s in chunk] for chunk in layout.pieces], dtype=np.int64).reshape(p, ch)
+            bound = np.minimum(n, cube.sum(0))
+        return cls(collective, rank, cube[rank], cube[:, rank], bound, full)
+
+    def summary(self, layout: ChunkLayout, topology: Topology) -> CountSummary:
+        """The summary ``auto`` weighs: the table's (:meth:`CountSummary.of`), or under the scalable
+        protocol one of maxima and means: every rank sends and receives as much as the busiest one,
+        every reduced piece of an index holds their mean, every rank holds the ranks' mean (the
+        hierarchical all-reduce is weighed as for equally dense ranks)."""
+        if self.table is not None:
+            return CountSummary.of(self.collective, self.table, layout, topology)
+        p, ch = layout.world, layout.channels
+        if self.collective == "all_gather":
+            zero = np.zeros((2, p), dtype=np.int64)
+            own = self.gathered
+            return CountSummary(
+                self.collective, layout, topology, zero, zero, np.zeros(ch, np.int64), own, own, own.sum(1)
+            )
+        sent = np.repeat(self.sent_max[:, None], p, axis=1)
+        received = np.repeat(self.received_max[:, None], p, axis=1)
+        if self.collective == "all_reduce":
+            bound = self.gathered
+            estimate = np.minimum(bound, np.rint(self.estimate_sum / p).astype(np.int64)[None, :])
+        else:
+            bound = estimate = np.zeros((p, ch), dtype=np.int64)
+        held = np.full(p, round(self.held_sum / p), dtype=np.int64)
+        return CountSummary(
+            self.collective, layout, topology, sent, received, np.zeros(ch, np.int64), bound, estimate, held
+        )
+
+    def reduced_bounds(self) -> np.ndarray:
+        """An all-reduce's gather phase sized from the first exchange: every reduced piece's bound."""
+        assert self.collective == "all_reduce" and self.gathered is not None
+        return self.gathered
+
+
+_CHECKED = ("magic", "collective", "numel", "out_numel", "dtype", "config", "channels")
+"""Header fields that must be equal on every rank (what :func:`check_table` compares)."""
+
+
+def owner_terms(
+    row: np.ndarray, column: np.ndarray, layout: ChunkLayout, topology: Topology, rank: int
+) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """What rank ``rank`` contributes to the scalable protocol's third round, from its ``row`` and
+    its chunk's ``column`` (both ``(world, channels)``): O(world x channels).
+
+    Returns ``(maxima, bound, sums)``: its nonzeros sent and received per hop kind (intra, inter;
+    maxed over ranks), its reduced pieces' bounds (gathered), and its reduced pieces' expected
+    nonzeros followed by its nonzeros (summed over ranks).
+    """
+    p = layout.world
+    n = np.array([s.numel for s in layout.pieces[rank]], dtype=np.int64)
+    rpn = topology.ranks_per_node
+    local = p if rpn is None else min(rpn, p)
+    node = np.arange(p) // local
+    same = node == node[rank]
+    others = np.arange(p) != rank
+    maxima = [
+        int(row[same & others].sum()),
+        int(row[~same].sum()),
+        int(column[same & others].sum()),
+        int(column[~same].sum()),
+    ]
+    bound = np.minimum(n, column.sum(0))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        zeros = np.where(n > 0, 1.0 - column / np.maximum(n, 1), 1.0)
+    estimate = np.minimum(bound, np.rint(n * (1.0 - np.prod(zeros, axis=0))).astype(np.int64))
+    return maxima, bound, np.concatenate([estimate, [row.sum()]])
+
+
+def exchange_bytes(how: str, collective: str, world: int, channels: int, topology: Topology) -> int:
+    """Bytes a count exchange by protocol ``how`` delivers to each rank (what it receives, every
+    round): the table's ``world * (11 + world * channels)`` int64, or the scalable protocol's
+    ``2 x 11`` header extrema, ``world x channels`` counts, and (reductions) the sums and maxima
+    plus, for an all-reduce, ``world x channels`` bounds."""
+    if how == "table":
+        return 8 * world * (len(HEADER_FIELDS) + world * channels)
+    total = 2 * len(HEADER_FIELDS) + world * channels
+    if collective != "all_gather":
+        total += 4 + channels + 1 + (world * channels if collective == "all_reduce" else 0)
+    return 8 * total
+
+
+def exchange_scalable(
+    transport: P2PTransport,
+    request: Request,
+    counts: torch.Tensor | None,
+    layout: ChunkLayout | None,
+    topology: Topology,
+    observed: int = -1,
+) -> tuple[Counts, torch.device, list[int]]:
+    """The scalable protocol (see the module docstring): check every rank's call, then share the counts.
+
+    Args:
+        counts: this rank's per-piece nonzero counts (int64, ``world * channels``; an all-gather:
+            ``channels``), or ``None`` when it has problems and counted nothing.
+        layout: the call's chunks (``None`` with problems: the first round raises on every rank).
+
+    Returns:
+        ``(counts, device, observed)``: ``observed`` is the lowest and the highest of the ranks'
+        ``observed`` fields (what :meth:`.feedback.Corrections.learn` reads).
+
+    Raises:
+        ValueError: the table protocol's message, on every rank, when the calls are not one valid call.
+    """
+    device = transport.exchange_device(request.device)
+    header = request.header(observed)
+    both = torch.tensor(header + [-v for v in header], dtype=torch.int64).to(device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=transport.group)
+    values = both.tolist()  # synchronisation 1
+    most, least = values[: len(header)], [-v for v in values[len(header) :]]
+    f = {name: i for i, name in enumerate(HEADER_FIELDS)}
+    if most[f["problems"]] or any(most[f[name]] != least[f[name]] for name in _CHECKED):
+        headers = transport.all_gather_rows(torch.tensor(header, dtype=torch.int64).to(device)).tolist()
+        check_table(headers, request.collective, transport.world, transport.backend)
+        raise RuntimeError(f"spccl_train: the ranks' calls differ, but not in a way the check names: {headers}")
+    assert layout is not None and counts is not None  # no rank has problems
+    p, ch, r = layout.world, layout.channels, transport.rank
+    times = [least[f["observed"]], most[f["observed"]]]
+    if request.collective == "all_gather":
+        gathered = transport.all_gather_rows(counts.to(device)).cpu().numpy()  # synchronisation 2
+        return Counts(request.collective, r, gathered[r : r + 1], None, gathered), device, times
+    column = torch.empty(p * ch, dtype=torch.int64, device=device)
+    dist.all_to_all_single(column, counts.to(device), group=transport.group)
+    row = counts.cpu().numpy().reshape(p, ch)
+    col = column.cpu().numpy().reshape(p, ch)  # synchronisation 2
+    maxima, bound, sums = owner_terms(row, col, layout, topology, r)
+    most_t = torch.tensor(maxima, dtype=torch.int64).to(device)
+    sums_t = torch.from_numpy(sums).to(device)
+    dist.all_reduce(most_t, op=dist.ReduceOp.MAX, group=transport.group)
+    dist.all_reduce(sums_t, op=dist.ReduceOp.SUM, group=transport.group)
+    gathered = None
+    if request.collective == "all_reduce":
+        gathered = transport.all_gather_rows(torch.from_numpy(bound).to(device)).cpu().numpy()
+    maxima = most_t.cpu().numpy()
+    sums = sums_t.cpu().numpy()  # synchronisation 3
+    return (
+        Counts(
+            request.collective,
+            r,
+            row,
+            col,
+            gathered,
+            None,
+            maxima[:2],
+            maxima[2:],
+            sums[:ch],
+            int(sums[ch]),
+        ),
+        device,
+        times,
+    )
 
 
 def exchange_reduced_counts(transport: P2PTransport, counts: torch.Tensor, device: torch.device) -> list[list[int]]:

@@ -46,14 +46,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from .chunking import ChunkLayout
 from .config import CollectiveConfig
 from .cost import CostModel
+from .summary import CountSummary
 from .topology import Topology
 
 __all__ = [
@@ -89,16 +91,14 @@ def applies(topology: Topology) -> bool:
 
 def predict(
     config: CollectiveConfig,
-    counts: Sequence[Sequence[int]],
-    layout: ChunkLayout,
+    summary: CountSummary,
     dtype: torch.dtype,
-    topology: Topology,
     model: CostModel,
     weigh: Callable[..., tuple],
 ) -> tuple[float, bool]:
-    """The model's time for the hierarchical all-reduce of a flat call's count table (every rank's
-    nonzeros per piece): each step weighed as the flat call it is, by ``weigh``
-    (:func:`~.choice.choose`), on a table drawn from each rank's density, its pieces i.i.d.:
+    """The model's time for the hierarchical all-reduce of a flat call's count summary (each rank's
+    nonzeros): each step weighed as the flat call it is, by ``weigh`` (:func:`~.choice.choose`),
+    on a table drawn from each rank's density, its pieces i.i.d.:
 
     1. the reduce-scatter of the node with the most nonzeros (nodes run at once; the densest ends last);
     2. the all-reduce across nodes of one slice, each node at its sum's density
@@ -107,31 +107,33 @@ def predict(
 
     Each step's prediction includes its own planning exchange. Returns the time and whether any
     step would send sparsely (if none does, it is NCCL's work done slower: it never wins).
-    ``topology`` must satisfy :func:`applies`.
+    The summary's topology must satisfy :func:`applies`. O(world) work, plus each step's weighing.
     """
+    layout, topology = summary.layout, summary.topology
     p, local = topology.world, topology.ranks_per_node
     nodes = p // local
     padded = -(-layout.numel // local) * local
-    density = [min(1.0, sum(row) / max(1, layout.numel)) for row in counts]
+    density = np.minimum(1.0, summary.density).tolist()
     by_node = [density[k * local : (k + 1) * local] for k in range(nodes)]
-    node_sum = [1 - math.prod(1 - d for d in ds) for ds in by_node]
+    # products in Python, in rank order: every rank computes the same bits
+    node_sum = np.array([1 - math.prod(1 - d for d in ds) for ds in by_node])
     total = 1 - math.prod(1 - d for d in density)
     within, across = _within(config), _across(config)
 
-    def best(collective: str, cfg: CollectiveConfig, numel: int, world: int, rows: list[float], rpn) -> tuple:
+    def best(collective: str, cfg: CollectiveConfig, numel: int, world: int, rows: np.ndarray, rpn) -> tuple:
         sub = ChunkLayout.of(collective, numel, world, layout.channels)
-        sizes = [piece.numel for chunk in sub.pieces for piece in chunk]
+        sizes = np.array([piece.numel for chunk in sub.pieces for piece in chunk], dtype=np.float64)
         if collective == "all_gather":  # a row's first pieces are its input's
-            sizes = [piece.numel for piece in sub.pieces[0]] + [0] * (len(sizes) - layout.channels)
-        table = [[round(n * d) for n in sizes] for d in rows]
+            sizes[layout.channels :] = 0
+        table = np.rint(np.outer(rows, sizes)).astype(np.int64)
         chosen, _ = weigh(collective, cfg, table, sub, dtype, Topology(world, rpn), model)
         return chosen.predicted_s, chosen.algorithm != "native"
 
     densest = max(range(nodes), key=lambda k: sum(by_node[k]))
     steps = [
-        best("reduce_scatter", within, padded, local, by_node[densest], None),
+        best("reduce_scatter", within, padded, local, np.array(by_node[densest]), None),
         best("all_reduce", across, padded // local, nodes, node_sum, 1),
-        best("all_gather", within, padded, local, [total] * local, None),
+        best("all_gather", within, padded, local, np.full(local, total), None),
     ]
     return sum(t for t, _ in steps), any(sparse for _, sparse in steps)
 

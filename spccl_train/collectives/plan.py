@@ -34,7 +34,7 @@ Sizes: ``Message.nbytes`` is what travels. Ring messages are sent at their exact
 size from and into 16-byte aligned slots; direct messages are packed back to back, so each is
 rounded up to 16 bytes; the padded all-gather route sends ``Step.slot_bytes`` per rank. A direct
 step with several pieces per chunk moves in waves, one exchange per piece index (see
-``_direct``); the padded route pads each wave to its largest payload (:func:`wave_sizes`).
+``_direct``); the padded route pads each wave to its largest payload (:attr:`Step.wave_bytes`, :func:`padded_slot`).
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
-from ..formats import Format, align16, coo_bytes, dense_bytes, pici_bytes
+from ..formats import TILE, Format, align16, coo_bytes, dense_bytes, pici_bytes
 from ..formats.layout import element_size
 from .chunking import ChunkLayout
 from .topology import Topology
@@ -65,12 +66,13 @@ __all__ = [
     "Plan",
     "message_bytes",
     "choose_format",
+    "wire_format",
     "sparsity",
     "plan_reduce_scatter",
     "plan_all_gather",
     "estimate_reduced_counts",
     "bound_reduced_counts",
-    "wave_sizes",
+    "padded_slot",
 ]
 
 COO_HEADER_BYTES = 16
@@ -156,7 +158,11 @@ class Step:
     """Every message of the step, of every rank, in (src, chunk, piece) order."""
     slot_bytes: int = 0
     """Route ``ALL_GATHER`` only: the bytes each rank sends every other rank, its payload of every
-    wave padded to the wave's largest (see :func:`wave_sizes`)."""
+    wave padded to the wave's largest (see :attr:`wave_bytes`)."""
+    wave_bytes: tuple[tuple[int, ...], ...] = ()
+    """Direct all-gather steps: ``wave_bytes[k][q]``, the bytes of rank ``q``'s payload in wave
+    ``k`` (piece ``k`` of its chunk; 0 for an empty piece), what every rank receives from ``q``.
+    Wave ``k`` carries piece ``k`` of every chunk."""
 
     def sent_by(self, rank: int) -> list[Message]:
         """The messages ``rank`` sends in this step."""
@@ -185,6 +191,9 @@ class Plan:
     """Which ranks share a node."""
     steps: tuple[Step, ...]
     """The steps in order (an all-reduce lists its reduce-scatter steps, then its gather steps)."""
+    rank: int | None = None
+    """``None``: every rank's messages (the reference planners here). A rank: only the messages it
+    sends or receives (:mod:`.rank_plan`, what a call runs), equal to the reference's."""
 
     @property
     def world(self) -> int:
@@ -207,7 +216,9 @@ class Plan:
         return tuple(s for s in self.steps if s.phase is phase)
 
     def bytes_sent(self, rank: int | None = None) -> int:
-        """Bytes put on the wire by ``rank`` (all ranks when ``None``), padding included."""
+        """Bytes put on the wire by ``rank`` (all ranks when ``None``; a rank's plan: that rank),
+        padding included."""
+        rank = self._own(rank)
         total = 0
         for step in self.steps:
             if step.route is Route.ALL_GATHER:
@@ -218,8 +229,14 @@ class Plan:
         return total
 
     def dense_bytes(self, rank: int | None = None) -> int:
-        """Bytes the same steps would send with every message dense."""
+        """Bytes the same steps would send with every message dense (``rank`` as for :meth:`bytes_sent`)."""
+        rank = self._own(rank)
         return sum(m.dense_nbytes for m in self.messages() if rank is None or m.src == rank)
+
+    def _own(self, rank: int | None) -> int | None:
+        if self.rank is None or rank in (None, self.rank):
+            return self.rank if rank is None else rank
+        raise ValueError(f"this plan holds rank {self.rank}'s messages only, not rank {rank}'s")
 
     def format_counts(self, phase: Phase | None = None) -> Counter[Format]:
         """How many messages travel in each format."""
@@ -230,20 +247,25 @@ class Plan:
         return dataclasses.replace(self, steps=self.steps + other.steps)
 
     def describe(self) -> str:
-        """A short table: per step, the message formats and the bytes against dense."""
+        """A short table: per step, the formats of the messages sent (by the plan's rank, if it has
+        one) and their bytes against dense."""
         head = (
             f"{self.collective} {self.algorithm} {self.format.value} world={self.world} numel={self.layout.numel} "
             f"{self.dtype}: {self.bytes_sent()} of {self.dense_bytes()} dense bytes"
         )
+        if self.rank is not None:
+            head += f" (rank {self.rank})"
         lines = [head]
         for step in self.steps:
-            formats = Counter(m.format.value for m in step.messages)
+            sent = step.messages if self.rank is None else step.sent_by(self.rank)
+            formats = Counter(m.format.value for m in sent)
+            senders = self.world if self.rank is None else 1
             nbytes = (
-                sum(m.nbytes for m in step.messages)
+                sum(m.nbytes for m in sent)
                 if step.route is not Route.ALL_GATHER
-                else (step.slot_bytes * self.world * (self.world - 1))
+                else (step.slot_bytes * senders * (self.world - 1))
             )
-            dense = sum(m.dense_nbytes for m in step.messages)
+            dense = sum(m.dense_nbytes for m in sent)
             lines.append(
                 f"  {step.phase.value}[{step.index}] {step.route.value}: "
                 f"{dict(sorted(formats.items()))} {nbytes}/{dense} B"
@@ -264,6 +286,25 @@ def message_bytes(fmt: Format | str, numel: int, nnz: int, dtype: torch.dtype) -
     if fmt is Format.PICI:
         return pici_bytes(numel, nnz, dtype)
     return COO_HEADER_BYTES + coo_bytes(numel, nnz, dtype)
+
+
+def wire_format(fmt: Format, n, nnz, sigma, threshold, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`choose_format` and :func:`message_bytes` elementwise, over arrays of pieces: whether
+    each piece of ``n`` elements, sized for ``nnz`` nonzeros (may be fractional: a mean), travels
+    as ``fmt`` (else dense), and its unpadded bytes. ``size``: bytes per element."""
+    n = np.asarray(n)
+    dense = n * size
+    if fmt is Format.DENSE:
+        return np.zeros(n.shape, dtype=bool), dense
+    nnz = np.asarray(nnz)
+    if fmt is Format.PICI:
+        tiles = -(-n // TILE)
+        payload = 512 * tiles + ((4 * (tiles + 1) + 15) & ~15) + nnz * size
+    else:
+        whole = np.ceil(nnz).astype(np.int64) if nnz.dtype.kind == "f" else nnz
+        payload = COO_HEADER_BYTES + ((4 * whole + 15) & ~15) + nnz * size
+    sparse = (n > 0) & (sigma > threshold) & (payload < dense)
+    return sparse, np.where(sparse, payload, dense)
 
 
 def choose_format(
@@ -494,25 +535,23 @@ def plan_all_gather(
                     messages.append(
                         _message(c, d, c, k, layout, fmt, count, measured, sigma, threshold, inter, sizes, True)
                     )
-    step = Step(Phase.ALL_GATHER, 0, Route.P2P, tuple(messages))
-    by_wave = wave_sizes(step, p, ch)
-    padded = sum(max(wave) for wave in by_wave)
-    if padded and p * padded <= PADDED_GATHER_SLACK * sum(map(sum, by_wave)):
-        step = Step(Phase.ALL_GATHER, 0, Route.ALL_GATHER, tuple(messages), slot_bytes=padded)
+    # rank q sends the same payload to every rank: measured on the messages to its right neighbour
+    by_wave = [[0] * p for _ in range(ch)]
+    for m in messages:
+        if m.dst == (m.src + 1) % p:
+            by_wave[m.piece][m.src] += m.nbytes
+    waves = tuple(map(tuple, by_wave))
+    padded = padded_slot(waves, p)
+    route = Route.ALL_GATHER if padded else Route.P2P
+    step = Step(Phase.ALL_GATHER, 0, route, tuple(messages), slot_bytes=padded, wave_bytes=waves)
     return Plan(collective, algorithm, fmt, dtype, layout, topology, (step,))
 
 
-def wave_sizes(step: Step, world: int, channels: int) -> list[list[int]]:
-    """``sizes[k][q]``: bytes of rank ``q``'s payload in wave ``k`` of a direct all-gather step.
-
-    Wave ``k`` carries piece ``k`` of every chunk; rank ``q`` sends the same payload to every
-    rank, so it is measured on the messages to its right neighbour.
-    """
-    sizes = [[0] * world for _ in range(channels)]
-    for m in step.messages:
-        if m.dst == (m.src + 1) % world:
-            sizes[m.piece][m.src] += m.nbytes
-    return sizes
+def padded_slot(wave_bytes: Sequence[Sequence[int]], world: int) -> int:
+    """The bytes per rank of a direct all-gather padded to each wave's largest payload, or 0 when
+    that would send more than :data:`PADDED_GATHER_SLACK` times the exact sizes (grouped p2p then)."""
+    padded = sum(max(wave) for wave in wave_bytes)
+    return padded if padded and world * padded <= PADDED_GATHER_SLACK * sum(map(sum, wave_bytes)) else 0
 
 
 def estimate_reduced_counts(counts: Sequence[Sequence[int]], layout: ChunkLayout) -> list[list[int]]:
