@@ -32,11 +32,12 @@ from . import hierarchical
 from ._direct import direct_all_gather, direct_all_reduce, direct_reduce_scatter
 from ._ring import ring_all_gather, ring_reduce_scatter
 from ._wire import StatusSink
-from .choice import NATIVE_MARGIN, decide, plan_candidate
+from .choice import NATIVE_MARGIN, Candidate, decide, plan_candidate
 from .chunking import ChunkLayout, count_nonzero_pieces
 from .config import CollectiveConfig
 from .cost import CostModel
 from .exchange import (
+    SCALABLE_ROUNDS,
     Counts,
     Problem,
     Request,
@@ -714,7 +715,10 @@ def _run(
     received = exchange_bytes(how, collective, p, config.channels, topology) if how else 0
     measured = _model(config, transport, topology, inp.device)
     default_group = hierarchical.is_world(transport.group)
-    model, key = measured.model, f"{fingerprint}|{measured.tag}|{'default group' if default_group else 'subgroup'}"
+    model, key = (
+        _exchanged_by(measured.model, how),
+        f"{fingerprint}|{measured.tag}|{'default group' if default_group else 'subgroup'}",
+    )
     if bounds is not None and _graphable(config, inp, out, transport):  # replayed: no host cost per launch
         model, key = model.replayed(), f"{key}|replayed"
     nbytes = layout.numel * inp.element_size()
@@ -740,39 +744,62 @@ def _run(
             return stats, event
         config = dataclasses.replace(config, algorithm="auto")  # (the memo key keeps "hierarchical")
     factors = corrections.factors_for(collective, nbytes) if corrections is not None else None
-    choice, weighed = decide(
-        config,
-        f"{key}|{'scalable' if scalable else 'table'}",
-        counts.summary(layout, topology),
-        inp.dtype,
-        model,
-        0 if bounds is not None else 1,
-        factors,
-        default_group,
-        ("direct",) if scalable else ("ring", "direct"),
-    )
-    if choice.algorithm == "hierarchical":  # auto chose it: the steps exchange and plan on the node subgroups
-        parts = _hierarchical_steps(collective, transport, config, topology.ranks_per_node, inp, out)
-        event = timer.stop()
-        if corrections is not None and not (inp.is_cuda and torch.cuda.is_current_stream_capturing()):
-            corrections.called(
-                collective, choice.name, nbytes, choice.predicted_s / factor_of(factors, choice.name), timer
-            )
-        stats = _hierarchical_stats(
-            collective, transport, chunk, inp.element_size(), parts, timer, choice.predicted_s, weighed, how, received
+    planned = None
+    if bounds is not None:  # the same bounds every step (a DDP bucket): decided and planned once
+        corrected = tuple(sorted(factors.items())) if factors else ()
+        bounded_key = (collective, key, inp.dtype, layout, topology, r, corrected, counts.table.tobytes())
+        planned = _bounded_plans.get(bounded_key)
+    if planned is None:
+        choice, weighed = decide(
+            config,
+            f"{key}|{'scalable' if scalable else 'table'}",
+            counts.summary(layout, topology),
+            inp.dtype,
+            model,
+            0 if bounds is not None else 1,
+            factors,
+            default_group,
+            ("direct",) if scalable else ("ring", "direct"),
         )
-        return stats, event
-    plan = plan_candidate(choice, collective, config, counts, layout, inp.dtype, topology, r)
+        if choice.algorithm == "hierarchical":  # auto chose it: the steps exchange and plan on the node subgroups
+            parts = _hierarchical_steps(collective, transport, config, topology.ranks_per_node, inp, out)
+            event = timer.stop()
+            if corrections is not None and not (inp.is_cuda and torch.cuda.is_current_stream_capturing()):
+                corrections.called(
+                    collective, choice.name, nbytes, choice.predicted_s / factor_of(factors, choice.name), timer
+                )
+            stats = _hierarchical_stats(
+                collective,
+                transport,
+                chunk,
+                inp.element_size(),
+                parts,
+                timer,
+                choice.predicted_s,
+                weighed,
+                how,
+                received,
+            )
+            return stats, event
+        plan = plan_candidate(choice, collective, config, counts, layout, inp.dtype, topology, r)
+        bound_gather = None  # an all-reduce's gather phase sized from the first exchange (or the bounds)
+        if collective == "all_reduce" and plan is not None and choice.gather_counts != "measured":
+            bound_gather = _gather_plan(choice, config, counts.reduced_bounds(), layout, inp.dtype, topology, r)
+        planned = (choice, weighed, plan, bound_gather)
+        if bounds is not None:
+            if len(_bounded_plans) >= 64:
+                _bounded_plans.clear()
+            _bounded_plans[bounded_key] = planned
+    choice, weighed, plan, bound_gather = planned
     sink = StatusSink(inp.device)
     y = out.view(-1)
-    exchanges = 0 if bounds is not None else 1
+    exchanges = 0 if bounds is not None else SCALABLE_ROUNDS if scalable else 1  # host synchronisations
     if choice.algorithm == "native":
         _native(collective, transport, x, y)
         chunk_bytes = layout.numel // p * inp.element_size()
         dense = (p - 1) * chunk_bytes * (2 if collective == "all_reduce" else 1)
         sent = dense
     else:
-        th = config.thresholds.resolve(choice.format)
         own = layout.chunks[r]
         if collective == "all_gather":
             copy_own = None if aliased else functools.partial(y[own.start : own.stop].copy_, x)
@@ -780,33 +807,17 @@ def _run(
         elif collective == "reduce_scatter":
             _scatter_phase(choice.algorithm, transport, plan, layout, x, y, sink, aliased)
         else:
-            measured = choice.gather_counts == "measured"
-
-            def plan_gather(counts: list[list[int]]) -> Plan:
-                return plan_all_gather_for(
-                    r,
-                    counts,
-                    layout,
-                    inp.dtype,
-                    fmt=choice.format,
-                    algorithm=choice.algorithm,
-                    threshold=th.ag,
-                    topology=topology,
-                    collective="all_reduce",
-                    measured=measured,
-                )
-
             # sized for what the sums can hold (no second exchange), or after measuring below
-            gather = None if measured else plan_gather(counts.reduced_bounds())
+            gather = bound_gather
             if choice.algorithm == "direct" and gather is not None:  # both phases known: interleaved by wave
                 direct_all_reduce(transport, plan.steps[0], gather.steps[0], layout, x, sink)
             else:
                 held = _scatter_phase(choice.algorithm, transport, plan, layout, x, None, sink, False)
-                if measured:
+                if gather is None:  # measured: count the reduced chunk and exchange again
                     reduced = exchange_reduced_counts(transport, count_nonzero_pieces(x, layout, [r], base=0), xdev)
                     exchanges += 1
                     received += 8 * p * (1 + layout.channels)
-                    gather = plan_gather(reduced)
+                    gather = _gather_plan(choice, config, reduced, layout, inp.dtype, topology, r, measured=True)
                 _gather_phase(choice.algorithm, transport, gather, layout, x, x, 0, sink, held)
             plan = plan.then(gather)
         sent, dense = plan.bytes_sent(r), plan.dense_bytes(r)
@@ -843,6 +854,14 @@ def _run(
             plan.describe() if plan else "native",
         )
     return stats, event
+
+
+@functools.lru_cache(maxsize=16)
+def _exchanged_by(model: CostModel, how: str) -> CostModel:
+    """``model`` for calls whose count exchange is of protocol ``how``: the scalable one takes
+    :data:`.exchange.SCALABLE_ROUNDS` synchronisations, each priced as one exchange (on emulated
+    nodes over sockets, 4 ranks: its direct all-reduces took 64 ms more than the table's)."""
+    return dataclasses.replace(model, exchange_s=SCALABLE_ROUNDS * model.exchange_s) if how == "scalable" else model
 
 
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -882,7 +901,8 @@ def _goes_native_unexchanged(
     if config.format == "dense":
         return True
     topology = Topology(transport.world, rpn)
-    model = _model(config, transport, topology, request.device).model  # made by the checked call already
+    how = protocol(transport.world, config.algorithm)
+    model = _exchanged_by(_model(config, transport, topology, request.device).model, how)  # made already
     corrections = _corrections(config, transport)
     factors = (
         corrections.factors_for(collective, layout.numel * element_size(request.dtype))
@@ -938,6 +958,37 @@ def _native_call(
         _timer=timer,
     )
     return stats, event
+
+
+_bounded_plans: dict[tuple, tuple] = {}
+"""Calls with bounds: ``(choice, candidates, plan, gather plan)`` by the call and its bounds table.
+A pure memo (the decision and plans are functions of the key), so forgetting costs only a replan."""
+
+
+def _gather_plan(
+    choice: Candidate,
+    config: CollectiveConfig,
+    counts: object,
+    layout: ChunkLayout,
+    dtype: torch.dtype,
+    topology: Topology,
+    rank: int,
+    measured: bool = False,
+) -> Plan:
+    """Rank ``rank``'s plan of an all-reduce's gather phase from the reduced pieces' counts
+    (``measured``) or bounds."""
+    return plan_all_gather_for(
+        rank,
+        counts,
+        layout,
+        dtype,
+        fmt=choice.format,
+        algorithm=choice.algorithm,
+        threshold=config.thresholds.resolve(choice.format).ag,
+        topology=topology,
+        collective="all_reduce",
+        measured=measured,
+    )
 
 
 def _request(

@@ -24,14 +24,16 @@ piece is the unit of every message and of every nonzero count.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .._triton import triton_importable
 from ..formats import SUPPORTED_DTYPES, TILE, Format, compress_into, pici_metadata_bytes, uses_kernels
 
-__all__ = ["Span", "ChunkLayout", "split_span", "unit_for", "SMALL_UNIT", "count_nonzero_pieces"]
+__all__ = ["Span", "ChunkLayout", "split_span", "unit_for", "SMALL_UNIT", "count_nonzero_pieces", "piece_arrays"]
 
 SMALL_UNIT = 16
 """Cut granularity (elements) for ranges too small to give every part a whole tile."""
@@ -123,6 +125,17 @@ class ChunkLayout:
     def piece_numel(self, chunk: int, piece: int) -> int:
         """Elements of piece ``piece`` of chunk ``chunk``."""
         return self.pieces[chunk][piece].numel
+
+
+@functools.lru_cache(maxsize=256)
+def piece_arrays(layout: ChunkLayout) -> tuple[np.ndarray, np.ndarray]:
+    """``(n[c, k], start[c, k])``: every piece's elements and first element, as int64 arrays
+    (read-only; made once per layout)."""
+    p, ch = layout.world, layout.channels
+    n = np.array([[s.numel for s in chunk] for chunk in layout.pieces], dtype=np.int64).reshape(p, ch)
+    start = np.array([[s.start for s in chunk] for chunk in layout.pieces], dtype=np.int64).reshape(p, ch)
+    n.flags.writeable = start.flags.writeable = False
+    return n, start
 
 
 def count_nonzero_pieces(

@@ -236,9 +236,10 @@ class CostModel:
 
     def least_sparse(self, collective: str, numel: int, dtype: torch.dtype, topology: Topology) -> float:
         """A lower bound of every sparse candidate's prediction for this call, whatever its data:
-        one count pass and exchange, and the fewest steps any algorithm takes (a direct call: one
-        per phase), each with its fixed cost and the smallest link latency. No data-dependent term
-        (bytes, codecs) is counted, so no plan of any sparsity is predicted below it."""
+        one count pass and exchange, the fewest steps any algorithm takes (a direct call: one per
+        phase), each with its fixed cost and the smallest link latency, and one codec call (a plan
+        that sends nothing sparse never wins, and the rank that encodes a sparse message waits for
+        it). No bytes are counted, so no plan of any sparsity is predicted below it."""
         total = self.planning(collective, numel, dtype, topology.world)
         if topology.world == 1 or numel == 0:
             return total
@@ -250,7 +251,8 @@ class CostModel:
             else [self.intra, self.inter]
         )
         steps = 2 if collective == "all_reduce" else 1
-        return total + steps * (self.step_s + min(link.latency_s for link in kinds))
+        codec = min(self.pici.call_s, self.coo.call_s)
+        return total + steps * (self.step_s + min(link.latency_s for link in kinds)) + codec
 
     def _encode(self, m: Message) -> float:
         if not m.sparse:

@@ -48,12 +48,13 @@ import torch.distributed as dist
 
 from ..formats import MAX_ELEMENTS, SUPPORTED_DTYPES
 from ..transport import P2PTransport
-from .chunking import ChunkLayout
+from .chunking import ChunkLayout, piece_arrays
 from .summary import CountSummary
 from .topology import Topology
 
 __all__ = [
     "Counts",
+    "SCALABLE_ROUNDS",
     "SCALABLE_WORLD",
     "protocol",
     "exchange_scalable",
@@ -229,6 +230,10 @@ From 32 ranks the table (``world^2 x channels`` int64 per rank, 16 KiB at 32 ran
 channels; 16 MiB at 1024) costs more than the two extra synchronisations; below, one round wins."""
 
 
+SCALABLE_ROUNDS = 3
+"""Host synchronisations of a scalable count exchange (the table protocol's: one)."""
+
+
 def protocol(world: int, algorithm: str) -> str:
     """``"table"`` or ``"scalable"``: what every rank of a group of ``world`` uses for a call of
     ``algorithm`` (from the config, equal on every rank); rings always use the table."""
@@ -273,8 +278,7 @@ class Counts:
         cube = full[:, : p * ch].reshape(p, p, ch)
         bound = None
         if collective == "all_reduce":
-            n = np.array([[s.numel for s in chunk] for chunk in layout.pieces], dtype=np.int64).reshape(p, ch)
-            bound = np.minimum(n, cube.sum(0))
+            bound = np.minimum(piece_arrays(layout)[0], cube.sum(0))
         return cls(collective, rank, cube[rank], cube[:, rank], bound, full)
 
     def summary(self, layout: ChunkLayout, topology: Topology) -> CountSummary:
@@ -324,7 +328,7 @@ def owner_terms(
     nonzeros followed by its nonzeros (summed over ranks).
     """
     p = layout.world
-    n = np.array([s.numel for s in layout.pieces[rank]], dtype=np.int64)
+    n = piece_arrays(layout)[0][rank]
     rpn = topology.ranks_per_node
     local = p if rpn is None else min(rpn, p)
     node = np.arange(p) // local

@@ -23,20 +23,12 @@ import torch
 
 from ..formats import Format
 from ..formats.layout import element_size
-from .chunking import ChunkLayout
+from .chunking import ChunkLayout, piece_arrays
 from .config import ResolvedThresholds
 from .plan import Message, Phase, Plan, Route, Step, padded_slot, wire_format
 from .topology import Topology
 
 __all__ = ["plan_reduce_scatter_for", "plan_direct_reduce_scatter_for", "plan_all_gather_for", "reduced_bounds"]
-
-
-def _pieces(layout: ChunkLayout) -> tuple[np.ndarray, np.ndarray]:
-    """``(n[c, k], start[c, k])`` of every piece."""
-    p, ch = layout.world, layout.channels
-    n = np.array([[s.numel for s in chunk] for chunk in layout.pieces], dtype=np.int64).reshape(p, ch)
-    start = np.array([[s.start for s in chunk] for chunk in layout.pieces], dtype=np.int64).reshape(p, ch)
-    return n, start
 
 
 def _node(topology: Topology, ranks: np.ndarray) -> np.ndarray:
@@ -49,7 +41,7 @@ def reduced_bounds(table: object, layout: ChunkLayout) -> np.ndarray:
     (:func:`~.plan.bound_reduced_counts`, as an array)."""
     p, ch = layout.world, layout.channels
     cube = np.asarray(table, dtype=np.int64).reshape(p, -1)[:, : p * ch].reshape(p, p, ch)
-    return np.minimum(_pieces(layout)[0], cube.sum(0))
+    return np.minimum(piece_arrays(layout)[0], cube.sum(0))
 
 
 def _messages(
@@ -136,7 +128,7 @@ def plan_reduce_scatter_for(
         )
     if algorithm != "ring":
         raise ValueError(f"algorithm={algorithm!r} must be 'ring' or 'direct' to plan")
-    n, start = _pieces(layout)
+    n, start = piece_arrays(layout)
     steps = _ring_reduce_scatter(rank, cube, n, start, dtype, fmt, thresholds, topology)
     return Plan(collective, algorithm, fmt, dtype, layout, topology, steps, rank)
 
@@ -156,7 +148,7 @@ def plan_direct_reduce_scatter_for(
     """Rank ``rank``'s direct reduce-scatter from what it holds and what it receives alone:
     ``row[c, k]``, its own count of piece ``k`` of chunk ``c``, and ``column[q, k]``, rank ``q``'s
     count of piece ``k`` of this rank's chunk. O(world x channels)."""
-    n, start = _pieces(layout)
+    n, start = piece_arrays(layout)
     p, ch = n.shape
     row = np.asarray(row, dtype=np.int64).reshape(p, ch)
     column = np.asarray(column, dtype=np.int64).reshape(p, ch)
@@ -199,39 +191,43 @@ def _ring_reduce_scatter(rank, cube, n, start, dtype, fmt, th, topo) -> tuple[St
     bound = np.minimum(nn, np.cumsum(held, axis=1))
     sigma = np.cumprod(_sparsity(nn, held), axis=1)  # the reference's running product, in its order
     exact = np.cumsum(held > 0, axis=1) <= 1
-    s = np.arange(p - 1)
-    senders = []  # this rank, and its left neighbour (what this rank receives), in rank order
-    for sender in sorted({rank, (rank - 1) % p}):
-        chunks = (sender - s - 1) % p  # the chunk it sends at step s, holding s + 1 contributions
-        senders.append((sender, (sender + 1) % p, chunks, bound[chunks, s], sigma[chunks, s], exact[chunks, s]))
-    out = []
-    for step in range(p - 1):
-        parts = []
-        for sender, dst, chunks, b, sg, ex in senders:
-            c = chunks[step]
-            keep = n[c] > 0
-            pieces = np.arange(ch)[keep]
-            m = len(pieces)
-            inter = bool(node[sender] != node[dst])
-            parts.append(
-                (
-                    np.full(m, sender),
-                    np.full(m, dst),
-                    np.full(m, c),
-                    pieces,
-                    start[c][keep],
-                    n[c][keep],
-                    b[step][keep],
-                    ex[step][keep],
-                    sg[step][keep],
-                    np.full(m, th.inter if inter else th.intra),
-                    np.full(m, inter),
-                )
-            )
-        src, dst, chunk, piece, st, pn, b, ex, sg, tau, inter = (np.concatenate(col) for col in zip(*parts))
-        messages = _messages(fmt, dtype, False, src, dst, chunk, piece, st, pn, b, ex, sg, tau, inter)
-        out.append(Step(Phase.REDUCE_SCATTER, step, Route.P2P, tuple(messages)))
-    return tuple(out)
+    return _ring_steps(
+        Phase.REDUCE_SCATTER,
+        rank,
+        n,
+        start,
+        node,
+        dtype,
+        fmt,
+        lambda c, s, k: (bound[c, s, k], exact[c, s, k], sigma[c, s, k]),
+        lambda inter: np.where(inter, th.inter, th.intra),
+        shift=1,
+    )
+
+
+def _ring_steps(phase, rank, n, start, node, dtype, fmt, fields, threshold, shift) -> tuple[Step, ...]:
+    """This rank's ring steps: at step ``s`` rank ``q`` sends chunk ``(q - s - shift) % p`` to
+    ``q + 1``; this rank's messages are its own and its left neighbour's (what it receives), in
+    rank order. ``fields(c, s, k)`` gives ``(bound, exact, sigma)`` of piece ``k`` of chunk ``c``
+    sent at step ``s`` (equally long index arrays); ``threshold(inter)`` each hop's threshold."""
+    p, ch = n.shape
+    if p == 1:
+        return ()
+    senders = np.array(sorted({rank, (rank - 1) % p}))
+    chunks = (senders[None, :] - np.arange(p - 1)[:, None] - shift) % p  # [step, sender]
+    s, j, k = np.nonzero(n[chunks] > 0)  # every message, in (step, sender, piece) order
+    c, src = chunks[s, j], senders[j]
+    dst = (src + 1) % p
+    inter = node[src] != node[dst]
+    bound, exact, sigma = fields(c, s, k)
+    messages = _messages(
+        fmt, dtype, False, src, dst, c, k, start[c, k], n[c, k], bound, exact, sigma, threshold(inter), inter
+    )
+    ends = np.searchsorted(s, np.arange(1, p)).tolist()  # where each step's messages end
+    return tuple(
+        Step(phase, step, Route.P2P, tuple(messages[(ends[step - 1] if step else 0) : ends[step]]))
+        for step in range(p - 1)
+    )
 
 
 def plan_all_gather_for(
@@ -253,38 +249,23 @@ def plan_all_gather_for(
     which the receivers need, and pads as the reference does."""
     p, ch = layout.world, layout.channels
     payload = np.asarray(counts, dtype=np.int64).reshape(p, ch)
-    n, start = _pieces(layout)
+    n, start = piece_arrays(layout)
     ranks = np.arange(p)
     node = _node(topology, ranks)
     sigma_all = _sparsity(n, payload)
-    if algorithm == "ring":
-        steps = []
-        for s in range(p - 1):
-            parts = []
-            for sender in sorted({rank, (rank - 1) % p}):
-                c, dst = (sender - s) % p, (sender + 1) % p
-                keep = n[c] > 0
-                pieces = np.arange(ch)[keep]
-                m = len(pieces)
-                inter = bool(node[sender] != node[dst])
-                parts.append(
-                    (
-                        np.full(m, sender),
-                        np.full(m, dst),
-                        np.full(m, c),
-                        pieces,
-                        start[c][keep],
-                        n[c][keep],
-                        payload[c][keep],
-                        np.full(m, measured),
-                        sigma_all[c][keep],
-                        np.full(m, threshold),
-                        np.full(m, inter),
-                    )
-                )
-            src, dst, chunk, piece, st, pn, b, ex, sg, tau, inter = (np.concatenate(col) for col in zip(*parts))
-            messages = _messages(fmt, dtype, False, src, dst, chunk, piece, st, pn, b, ex, sg, tau, inter)
-            steps.append(Step(Phase.ALL_GATHER, s, Route.P2P, tuple(messages)))
+    if algorithm == "ring":  # each payload forwarded p - 1 times unchanged: step s moves chunk (q - s) % p
+        steps = _ring_steps(
+            Phase.ALL_GATHER,
+            rank,
+            n,
+            start,
+            node,
+            dtype,
+            fmt,
+            lambda c, s, k: (payload[c, k], np.full(len(c), measured), sigma_all[c, k]),
+            lambda inter: np.full(inter.shape, threshold),
+            shift=0,
+        )
         return Plan(collective, algorithm, fmt, dtype, layout, topology, tuple(steps), rank)
     if algorithm != "direct":
         raise ValueError(f"algorithm={algorithm!r} must be 'ring' or 'direct' to plan")

@@ -37,6 +37,7 @@ same summary; the float steps are elementwise or ordered the same on every rank.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import math
@@ -46,7 +47,7 @@ import torch
 
 from ..formats import Format
 from ..formats.layout import element_size
-from .chunking import ChunkLayout
+from .chunking import ChunkLayout, piece_arrays
 from .cost import CostModel
 from .plan import padded_slot, wire_format
 from .topology import Topology
@@ -81,8 +82,8 @@ class _Geometry:
 
 @functools.lru_cache(maxsize=64)
 def _geometry(layout: ChunkLayout, topology: Topology) -> _Geometry:
-    p, ch = layout.world, layout.channels
-    n = np.array([[span.numel for span in chunk] for chunk in layout.pieces], dtype=np.int64).reshape(p, ch)
+    p = layout.world
+    n = piece_arrays(layout)[0]
     elems = np.broadcast_to(n.sum(1), (p, p))
     msgs = np.broadcast_to((n > 0).sum(1), (p, p))
     sent_elems, recv_elems = _by_kind(elems, topology)
@@ -200,6 +201,16 @@ def _round(values: np.ndarray, sizes: object, steps: int) -> np.ndarray:
     precomputed boundaries (Python floats), so every rank rounds alike whatever its CPU's vector math.
     """
     values = np.asarray(values, dtype=np.int64)
+    if values.size <= _SMALL:  # a few counts (small groups): numpy's per-call overhead dominates
+        flat = values.ravel().tolist()
+        if np.ndim(sizes) == 0:
+            every = [int(sizes)] * len(flat)
+        elif np.shape(sizes) == values.shape:
+            every = np.asarray(sizes).ravel().tolist()
+        else:
+            every = np.broadcast_to(sizes, values.shape).ravel().tolist()
+        out = [x if x <= 0 or x >= n else _level(x, n, steps) for x, n in zip(flat, every)]
+        return np.array(out, dtype=np.int64).reshape(values.shape)
     sizes = np.broadcast_to(np.asarray(sizes, dtype=np.int64), values.shape)
     out = values.copy()
     inner = (values > 0) & (values < sizes)
@@ -209,6 +220,21 @@ def _round(values: np.ndarray, sizes: object, steps: int) -> np.ndarray:
         # j = how many boundaries b_k (decreasing in k) are >= x: the nearest level's index
         out[where] = levels[len(ascending) - np.searchsorted(ascending, values[where], side="left")]
     return out
+
+
+_SMALL = 64
+
+
+def _level(x: int, n: int, steps: int) -> int:
+    """:func:`_round` of one count ``0 < x < n``, by the same boundaries."""
+    ascending, levels = _level_lists(n, steps)
+    return levels[len(ascending) - bisect.bisect_left(ascending, x)]
+
+
+@functools.lru_cache(maxsize=256)
+def _level_lists(n: int, steps: int) -> tuple[list[float], list[int]]:
+    ascending, levels = _levels(n, steps)
+    return ascending.tolist(), levels.tolist()
 
 
 @functools.lru_cache(maxsize=256)
