@@ -28,8 +28,9 @@ A point whose first timing is predicted (from the square of the rank count, as t
 grows) to take longer than ``--max-point-s`` is skipped and says so.
 
 Part 2, the model's predictions for that all-reduce with 8 GPUs per node (``CostModel.default``
-for CUDA, its network replaced by ``--networks`` GB/s per GPU): dense (NCCL's ring), the best
-flat sparse candidate (ring or direct, Pici or COO) and the hierarchical all-reduce (reduce inside
+for CUDA, its network replaced by ``--networks`` GB/s per GPU), each group exchanging counts by
+its protocol (from 32 GPUs the scalable one: three rounds, rings not weighed): dense (NCCL's
+ring), the best flat sparse candidate (ring or direct, Pici or COO) and the hierarchical all-reduce (reduce inside
 each node, across nodes, gather; weighed where one of its steps would send sparsely), each with
 its ratio to dense. Predictions, not
 measurements: the table tells a user whether SpCCL can help on their cluster, as far as the
@@ -171,17 +172,16 @@ def planning_rows(args: argparse.Namespace) -> list[dict]:
             receive = _counts(table, layout, topology, how, rank=0)
             per_p2[channels] = (time.perf_counter() - start) / (world * world)
             key = f"bench|{world}|{channels}|{how}"
-            algorithms = ("direct",) if how == "scalable" else ("ring", "direct")
 
             def summarise():
                 return receive().summary(layout, topology)
 
             def choose_new():
                 clear_decisions()
-                return decide(config, key, summarise(), torch.float32, model, 1, None, False, algorithms)
+                return decide(config, key, summarise(), torch.float32, model, 1, None, False, how)
 
             def choose_memo():
-                return decide(config, key, summarise(), torch.float32, model, 1, None, False, algorithms)
+                return decide(config, key, summarise(), torch.float32, model, 1, None, False, how)
 
             choice, weighed = choose_new()
             counts = receive()
@@ -237,7 +237,8 @@ def model_rows(args: argparse.Namespace) -> list[dict]:
             clear_decisions()
             start = time.perf_counter()
             summary = CountSummary.of("all_reduce", table, layout, topology)
-            _, weighed = decide(config, "model", summary, torch.float32, model, default_group=True)
+            how = protocol(world, "auto")  # the scalable exchange: three rounds, and no rings
+            _, weighed = decide(config, f"model|{how}", summary, torch.float32, model, 1, None, True, how)
             per_p2 = max(per_p2, (time.perf_counter() - start) / (world * world))
             sparse = {name: t for name, t in weighed.items() if name not in ("native/dense", "hierarchical")}
             best = min(sparse, key=sparse.get)

@@ -417,6 +417,35 @@ def _hierarchical_steps(
     return hierarchical_reduce_scatter(out, inp, intra, inter, config, ranks_per_node, call)
 
 
+def _hierarchical_call(
+    collective: str,
+    transport: P2PTransport,
+    config: CollectiveConfig,
+    topology: Topology,
+    inp: torch.Tensor,
+    out: torch.Tensor,
+    timer: Span,
+    flat_s: float,
+    chosen: tuple[float, dict[str, float]] | None,
+    how: str,
+    received: int,
+    learn: Callable[[Span], None] | None = None,
+) -> tuple[CollectiveStats, torch.cuda.Event | None]:
+    """Run the hierarchical steps after the flat exchange; their stats, summed. ``chosen``: what
+    ``auto`` predicted (and weighed) when it chose it; ``None`` when it was asked for (the steps'
+    predictions plus ``flat_s``, the flat exchange's). ``learn(timer)`` runs once the call is timed."""
+    parts = _hierarchical_steps(collective, transport, config, topology.ranks_per_node, inp, out)
+    event = timer.stop()
+    if learn is not None:
+        learn(timer)
+    if chosen is None:
+        predicted = sum(part.predicted_s for part in parts) + flat_s
+        chosen = (predicted, {"hierarchical": predicted})
+    chunk = (out.numel() if collective == "all_gather" else inp.numel()) // transport.world  # the layout's
+    stats = _hierarchical_stats(collective, transport, chunk, inp.element_size(), parts, timer, *chosen, how, received)
+    return stats, event
+
+
 def _hierarchical_stats(
     collective: str,
     transport: P2PTransport,
@@ -716,32 +745,19 @@ def _run(
     measured = _model(config, transport, topology, inp.device)
     default_group = hierarchical.is_world(transport.group)
     model, key = (
-        _exchanged_by(measured.model, how),
+        measured.model,
         f"{fingerprint}|{measured.tag}|{'default group' if default_group else 'subgroup'}",
     )
     if bounds is not None and _graphable(config, inp, out, transport):  # replayed: no host cost per launch
         model, key = model.replayed(), f"{key}|replayed"
     nbytes = layout.numel * inp.element_size()
-    chunk = layout.numel // p
     if config.algorithm == "hierarchical":  # asked for: run its steps, unless the group has one level
         check_hierarchy(p, topology.ranks_per_node)  # every rank agreed on the nodes in the exchange
         if hierarchical.applies(topology) and layout.numel > 0:
-            parts = _hierarchical_steps(collective, transport, config, topology.ranks_per_node, inp, out)
-            event = timer.stop()
-            predicted = sum(part.predicted_s for part in parts) + model.planning(collective, layout.numel, inp.dtype, p)
-            stats = _hierarchical_stats(
-                collective,
-                transport,
-                chunk,
-                inp.element_size(),
-                parts,
-                timer,
-                predicted,
-                {"hierarchical": predicted},
-                how,
-                received,
+            flat = model.planning(collective, layout.numel, inp.dtype, p)  # the flat exchange before the steps
+            return _hierarchical_call(
+                collective, transport, config, topology, inp, out, timer, flat, None, how, received
             )
-            return stats, event
         config = dataclasses.replace(config, algorithm="auto")  # (the memo key keeps "hierarchical")
     factors = corrections.factors_for(collective, nbytes) if corrections is not None else None
     planned = None
@@ -759,28 +775,19 @@ def _run(
             0 if bounds is not None else 1,
             factors,
             default_group,
-            ("direct",) if scalable else ("ring", "direct"),
+            "scalable" if scalable else "table",
         )
         if choice.algorithm == "hierarchical":  # auto chose it: the steps exchange and plan on the node subgroups
-            parts = _hierarchical_steps(collective, transport, config, topology.ranks_per_node, inp, out)
-            event = timer.stop()
-            if corrections is not None and not (inp.is_cuda and torch.cuda.is_current_stream_capturing()):
-                corrections.called(
-                    collective, choice.name, nbytes, choice.predicted_s / factor_of(factors, choice.name), timer
-                )
-            stats = _hierarchical_stats(
-                collective,
-                transport,
-                chunk,
-                inp.element_size(),
-                parts,
-                timer,
-                choice.predicted_s,
-                weighed,
-                how,
-                received,
+
+            def learn(timer: Span) -> None:
+                if corrections is not None and not (inp.is_cuda and torch.cuda.is_current_stream_capturing()):
+                    uncorrected = choice.predicted_s / factor_of(factors, choice.name)
+                    corrections.called(collective, choice.name, nbytes, uncorrected, timer)
+
+            chosen = (choice.predicted_s, weighed)
+            return _hierarchical_call(
+                collective, transport, config, topology, inp, out, timer, 0.0, chosen, how, received, learn
             )
-            return stats, event
         plan = plan_candidate(choice, collective, config, counts, layout, inp.dtype, topology, r)
         bound_gather = None  # an all-reduce's gather phase sized from the first exchange (or the bounds)
         if collective == "all_reduce" and plan is not None and choice.gather_counts != "measured":
@@ -856,14 +863,6 @@ def _run(
     return stats, event
 
 
-@functools.lru_cache(maxsize=16)
-def _exchanged_by(model: CostModel, how: str) -> CostModel:
-    """``model`` for calls whose count exchange is of protocol ``how``: the scalable one takes
-    :data:`.exchange.SCALABLE_ROUNDS` synchronisations, each priced as one exchange (on emulated
-    nodes over sockets, 4 ranks: its direct all-reduces took 64 ms more than the table's)."""
-    return dataclasses.replace(model, exchange_s=SCALABLE_ROUNDS * model.exchange_s) if how == "scalable" else model
-
-
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Per transport (weakly), the call signatures (:func:`_signature`) a count exchange has checked
 on every rank: a call of one of them that ``auto`` sends native skips the exchange."""
@@ -901,8 +900,8 @@ def _goes_native_unexchanged(
     if config.format == "dense":
         return True
     topology = Topology(transport.world, rpn)
-    how = protocol(transport.world, config.algorithm)
-    model = _exchanged_by(_model(config, transport, topology, request.device).model, how)  # made already
+    rounds = SCALABLE_ROUNDS if protocol(transport.world, config.algorithm) == "scalable" else 1
+    model = _model(config, transport, topology, request.device).model  # made by the checked call already
     corrections = _corrections(config, transport)
     factors = (
         corrections.factors_for(collective, layout.numel * element_size(request.dtype))
@@ -912,10 +911,11 @@ def _goes_native_unexchanged(
     sparse_factor = min(
         factor_of(factors, name) for name in ("ring/pici", "ring/coo", "direct/pici", "direct/coo", "hierarchical")
     )
-    native = model.predict_native(collective, layout.numel, request.dtype, topology) * factor_of(
+    extra = (rounds - 1) * model.exchange_s  # what an exchange's further rounds would add to every candidate
+    native = (model.predict_native(collective, layout.numel, request.dtype, topology) + extra) * factor_of(
         factors, "native/dense"
     )
-    least = model.least_sparse(collective, layout.numel, request.dtype, topology) * sparse_factor
+    least = model.least_sparse(collective, layout.numel, request.dtype, topology, rounds) * sparse_factor
     return least >= native * (1 - NATIVE_MARGIN)
 
 

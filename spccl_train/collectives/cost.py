@@ -234,13 +234,16 @@ class CostModel:
             return total + scatter
         return total + scatter + gather
 
-    def least_sparse(self, collective: str, numel: int, dtype: torch.dtype, topology: Topology) -> float:
+    def least_sparse(
+        self, collective: str, numel: int, dtype: torch.dtype, topology: Topology, rounds: int = 1
+    ) -> float:
         """A lower bound of every sparse candidate's prediction for this call, whatever its data:
         one count pass and exchange, the fewest steps any algorithm takes (a direct call: one per
         phase), each with its fixed cost and the smallest link latency, and one codec call (a plan
         that sends nothing sparse never wins, and the rank that encodes a sparse message waits for
-        it). No bytes are counted, so no plan of any sparsity is predicted below it."""
-        total = self.planning(collective, numel, dtype, topology.world)
+        it). No bytes are counted, so no plan of any sparsity is predicted below it. ``rounds``:
+        host synchronisations of the count exchange (its extra ones priced as exchanges)."""
+        total = self.planning(collective, numel, dtype, topology.world) + (rounds - 1) * self.exchange_s
         if topology.world == 1 or numel == 0:
             return total
         kinds = (

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from ..formats import MAX_ELEMENTS, SUPPORTED_DTYPES
 from ..transport import P2PTransport
 from .chunking import ChunkLayout, piece_arrays
+from .plan import sparsities
 from .summary import CountSummary
 from .topology import Topology
 
@@ -341,9 +342,7 @@ def owner_terms(
         int(column[~same].sum()),
     ]
     bound = np.minimum(n, column.sum(0))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        zeros = np.where(n > 0, 1.0 - column / np.maximum(n, 1), 1.0)
-    estimate = np.minimum(bound, np.rint(n * (1.0 - np.prod(zeros, axis=0))).astype(np.int64))
+    estimate = np.minimum(bound, np.rint(n * (1.0 - np.prod(sparsities(n, column), axis=0))).astype(np.int64))
     return maxima, bound, np.concatenate([estimate, [row.sum()]])
 
 

@@ -68,6 +68,7 @@ __all__ = [
     "choose_format",
     "wire_format",
     "sparsity",
+    "sparsities",
     "plan_reduce_scatter",
     "plan_all_gather",
     "estimate_reduced_counts",
@@ -276,6 +277,12 @@ class Plan:
 def sparsity(numel: int, nnz: int) -> float:
     """Fraction of zeros: ``1 - nnz / numel`` (1.0 for an empty range)."""
     return 1.0 - nnz / numel if numel else 1.0
+
+
+def sparsities(n, counts) -> np.ndarray:
+    """:func:`sparsity` elementwise over arrays of pieces (1.0 for empty ones), in the same float steps."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(np.asarray(n) > 0, 1.0 - counts / np.maximum(n, 1), 1.0)
 
 
 def message_bytes(fmt: Format | str, numel: int, nnz: int, dtype: torch.dtype) -> int:

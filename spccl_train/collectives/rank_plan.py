@@ -25,7 +25,7 @@ from ..formats import Format
 from ..formats.layout import element_size
 from .chunking import ChunkLayout, piece_arrays
 from .config import ResolvedThresholds
-from .plan import Message, Phase, Plan, Route, Step, padded_slot, wire_format
+from .plan import Message, Phase, Plan, Route, Step, padded_slot, sparsities, wire_format
 from .topology import Topology
 
 __all__ = ["plan_reduce_scatter_for", "plan_direct_reduce_scatter_for", "plan_all_gather_for", "reduced_bounds"]
@@ -90,12 +90,6 @@ def _sizes(fmt: Format, dtype: torch.dtype, packed: bool, n, bound, sigma, tau) 
     if packed:
         nbytes = (nbytes + 15) & ~15
     return sparse, nbytes, n * size
-
-
-def _sparsity(n: np.ndarray, count: np.ndarray) -> np.ndarray:
-    """``1 - count / n`` (1.0 for an empty piece), as :func:`~.plan.sparsity` computes it."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(n > 0, 1.0 - count / np.maximum(n, 1), 1.0)
 
 
 def plan_reduce_scatter_for(
@@ -169,7 +163,7 @@ def plan_direct_reduce_scatter_for(
     inter = node[q] != node[c]
     tau = np.where(inter, th.inter, th.intra)
     pn = n[c, piece]
-    sigma = _sparsity(pn, count)
+    sigma = sparsities(pn, count)
     exact = np.ones(len(q), dtype=bool)
     messages = _messages(fmt, dtype, True, q, c, c, piece, start[c, piece], pn, count, exact, sigma, tau, inter)
     step = Step(Phase.REDUCE_SCATTER, 0, Route.ALL_TO_ALL, tuple(messages))
@@ -189,7 +183,7 @@ def _ring_reduce_scatter(rank, cube, n, start, dtype, fmt, th, topo) -> tuple[St
     held = cube[contributors, ranks[:, None], :]  # [c, i, k]
     nn = n[:, None, :]
     bound = np.minimum(nn, np.cumsum(held, axis=1))
-    sigma = np.cumprod(_sparsity(nn, held), axis=1)  # the reference's running product, in its order
+    sigma = np.cumprod(sparsities(nn, held), axis=1)  # the reference's running product, in its order
     exact = np.cumsum(held > 0, axis=1) <= 1
     return _ring_steps(
         Phase.REDUCE_SCATTER,
@@ -252,7 +246,7 @@ def plan_all_gather_for(
     n, start = piece_arrays(layout)
     ranks = np.arange(p)
     node = _node(topology, ranks)
-    sigma_all = _sparsity(n, payload)
+    sigma_all = sparsities(n, payload)
     if algorithm == "ring":  # each payload forwarded p - 1 times unchanged: step s moves chunk (q - s) % p
         steps = _ring_steps(
             Phase.ALL_GATHER,

@@ -49,7 +49,7 @@ from ..formats import Format
 from ..formats.layout import element_size
 from .chunking import ChunkLayout, piece_arrays
 from .cost import CostModel
-from .plan import padded_slot, wire_format
+from .plan import padded_slot, sparsities, wire_format
 from .topology import Topology
 
 __all__ = ["CountSummary", "Prediction", "predict"]
@@ -158,9 +158,7 @@ class CountSummary:
         others = column - cube[np.arange(p), np.arange(p)]
         ring = others.max(0)
         bound = np.minimum(n, column)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            zeros = np.where(n > 0, 1.0 - cube / np.maximum(n, 1), 1.0)  # [q, c, k]: each rank's sparsity
-        expected = np.rint(n * (1.0 - np.prod(zeros, axis=0))).astype(np.int64)
+        expected = np.rint(n * (1.0 - np.prod(sparsities(n, cube), axis=0))).astype(np.int64)  # [q, c, k] -> [c, k]
         estimate = np.minimum(bound, expected)
         held = counts[:, : p * ch].sum(1)
         return cls(collective, layout, topology, sent, received, ring, bound, estimate, held)
@@ -291,6 +289,15 @@ def predict(
     return Prediction(seconds, any(sparse for _, sparse in steps))
 
 
+def _codec_seconds(codec, sparse, calls, dense_bytes, rate: str, dense_rate: float):
+    """Seconds of pieces' codec work: ``calls`` calls and ``dense_bytes`` at ``codec``'s ``rate``
+    where ``sparse``, else ``dense_bytes`` at ``dense_rate`` (``math.inf``: free); no codec (a
+    dense format): all at ``dense_rate``."""
+    if codec is None:
+        return dense_bytes / dense_rate
+    return np.where(sparse, calls * codec.call_s + dense_bytes / getattr(codec, rate), dense_bytes / dense_rate)
+
+
 def _direct_reduce(model: CostModel, s: CountSummary, size: int, fmt: Format, th) -> tuple[float, bool]:
     """One all-to-all: each rank encodes what it sends, puts the larger of its outgoing and incoming
     bytes on the wire, one latency per wave, and accumulates what it receives; the slowest rank sets it."""
@@ -316,8 +323,7 @@ def _direct_reduce(model: CostModel, s: CountSummary, size: int, fmt: Format, th
             per = np.maximum(msgs, 1)
             n_mean = np.where(some, np.rint(elems / per), 0).astype(np.int64)
             nnz_mean = nnz / per
-            with np.errstate(divide="ignore", invalid="ignore"):
-                sigma = np.where(elems > 0, 1.0 - nnz / np.maximum(elems, 1), 1.0)
+            sigma = sparsities(elems, nnz)
             sparse, nbytes = wire_format(fmt, n_mean, nnz_mean, sigma, tau, size)
             sparse &= some
             any_sparse = any_sparse or bool(sparse.any())
@@ -325,22 +331,12 @@ def _direct_reduce(model: CostModel, s: CountSummary, size: int, fmt: Format, th
             dense_bytes = elems * size
             if outgoing:
                 out_wire += wire
-                if codec is not None:
-                    encode += np.where(
-                        sparse, msgs * codec.call_s + dense_bytes / codec.compress, dense_bytes / model.copy
-                    )
-                else:
-                    encode += dense_bytes / model.copy
+                encode += _codec_seconds(codec, sparse, msgs, dense_bytes, "compress", model.copy)
                 waves = (geo.n > 0).sum(1).max() if s.layout.channels > 1 else 1
                 latency = np.maximum(latency, np.where(some, waves * link.latency_s, 0.0))
             else:
                 in_wire += wire
-                if codec is not None:
-                    decode += np.where(
-                        sparse, msgs * codec.call_s + dense_bytes / codec.accumulate, dense_bytes / model.reduce
-                    )
-                else:
-                    decode += dense_bytes / model.reduce
+                decode += _codec_seconds(codec, sparse, msgs, dense_bytes, "accumulate", model.reduce)
     return float((encode + np.maximum(out_wire, in_wire) + latency + decode).max()), any_sparse
 
 
@@ -350,18 +346,13 @@ def _direct_gather(model: CostModel, s: CountSummary, payload: np.ndarray, size:
     geo = _geometry(s.layout, s.topology)
     p = s.layout.world
     n = geo.n
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sigma = np.where(n > 0, 1.0 - payload / np.maximum(n, 1), 1.0)
+    sigma = sparsities(n, payload)
     sparse, nbytes = wire_format(fmt, n, payload, sigma, tau, size)
     nbytes = np.where(n > 0, _align16(nbytes), 0)  # [c, k]: packed
     dense_bytes = n * size
     codec = model.codec(fmt) if fmt is not Format.DENSE else None
-    if codec is not None:
-        enc = np.where(sparse, codec.call_s + dense_bytes / codec.compress, dense_bytes / model.copy)
-        dec = np.where(sparse, codec.call_s + dense_bytes / codec.decompress, dense_bytes / model.copy)
-    else:
-        enc = dense_bytes / model.copy
-        dec = dense_bytes / model.copy
+    enc = _codec_seconds(codec, sparse, 1, dense_bytes, "compress", model.copy)
+    dec = _codec_seconds(codec, sparse, 1, dense_bytes, "decompress", model.copy)
     enc, dec = np.where(n > 0, enc, 0.0).sum(1), np.where(n > 0, dec, 0.0).sum(1)
     decode = dec.sum() - dec  # every other owner's payload
     slot = padded_slot(nbytes.T.tolist(), p)
@@ -416,11 +407,8 @@ def _ring_reduce(model: CostModel, s: CountSummary, size: int, fmt: Format, th) 
         sparse &= n > 0
         any_sparse = any_sparse or bool(sparse.any())
         wire = np.where(n > 0, link.latency_s + np.ceil(nbytes) / link.bandwidth, 0.0)
-        if codec is not None:
-            enc = np.where(sparse, codec.call_s + dense_bytes / codec.compress, 0.0)
-            dec = np.where(sparse, codec.call_s + dense_bytes / codec.accumulate, dense_bytes / model.reduce)
-        else:
-            enc, dec = np.zeros(bound.shape), np.broadcast_to(dense_bytes / model.reduce, bound.shape)
+        enc = _codec_seconds(codec, sparse, 1, dense_bytes, "compress", math.inf)  # dense: sent as it is
+        dec = np.broadcast_to(_codec_seconds(codec, sparse, 1, dense_bytes, "accumulate", model.reduce), bound.shape)
         send[h], recv[h] = (wire + enc).sum(1), np.where(n > 0, dec, 0.0).sum(1)
     busy = np.max([send[out] + recv[into] for out, into in geo.ring_pairs], axis=0)
     return [(float(x), any_sparse) for x in busy]
@@ -431,14 +419,13 @@ def _ring_gather(model: CostModel, s: CountSummary, payload: np.ndarray, size: i
     geo = _geometry(s.layout, s.topology)
     p = s.layout.world
     n = geo.n
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sigma = np.where(n > 0, 1.0 - payload / np.maximum(n, 1), 1.0)
+    sigma = sparsities(n, payload)
     sparse, nbytes = wire_format(fmt, n, payload, sigma, tau, size)
     sparse &= n > 0
     dense_bytes = n * size
     codec = model.codec(fmt) if fmt is not Format.DENSE else None
-    enc = np.where(sparse, codec.call_s + dense_bytes / codec.compress, 0.0) if codec else np.zeros(n.shape)
-    dec = np.where(sparse, codec.call_s + dense_bytes / codec.decompress, 0.0) if codec else np.zeros(n.shape)
+    enc = _codec_seconds(codec, sparse, 1, dense_bytes, "compress", math.inf)  # dense: forwarded as it is
+    dec = _codec_seconds(codec, sparse, 1, dense_bytes, "decompress", math.inf)
     link = model.link(_INTER in geo.kinds)
     wire = np.where(n > 0, link.latency_s + nbytes / link.bandwidth, 0.0)
     first = float((wire + enc).sum(1).max() + dec.sum(1).max())
