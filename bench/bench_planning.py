@@ -62,7 +62,7 @@ from spccl_train._provenance import git_commit
 from spccl_train.collectives import CollectiveConfig, CostModel, LinkCost, Topology
 from spccl_train.collectives.choice import Candidate, clear_decisions, decide, plan_candidate
 from spccl_train.collectives.chunking import ChunkLayout
-from spccl_train.collectives.exchange import Counts, exchange_bytes, owner_terms, protocol
+from spccl_train.collectives.exchange import Counts, exchange_bytes, exchange_rounds, owner_terms, protocol
 from spccl_train.collectives.rank_plan import plan_all_gather_for
 from spccl_train.collectives.summary import CountSummary
 from spccl_train.formats import Format
@@ -148,7 +148,8 @@ def planning_rows(args: argparse.Namespace) -> list[dict]:
         for world in args.worlds:
             layout = ChunkLayout.of("all_reduce", numel, world, channels)
             topology = Topology(world, args.ranks_per_node if args.ranks_per_node < world else None)
-            how = protocol(world, "auto")
+            how = protocol(world)
+            rounds, rings = exchange_rounds(how, "all_reduce"), how == "table"
             row = {
                 "world": world,
                 "channels": channels,
@@ -156,8 +157,8 @@ def planning_rows(args: argparse.Namespace) -> list[dict]:
                 "size_bytes": args.size,
                 "sparsity": args.sparsity,
                 "protocol": how,
-                "exchange_bytes": exchange_bytes(how, "all_reduce", world, channels, topology),
-                "table_bytes": exchange_bytes("table", "all_reduce", world, channels, topology),
+                "exchange_bytes": exchange_bytes(how, "all_reduce", world, channels),
+                "table_bytes": exchange_bytes("table", "all_reduce", world, channels),
             }
             estimate = per_p2.get(channels, 0.0) * world * world
             if estimate > args.max_point_s:
@@ -178,10 +179,10 @@ def planning_rows(args: argparse.Namespace) -> list[dict]:
 
             def choose_new():
                 clear_decisions()
-                return decide(config, key, summarise(), torch.float32, model, 1, None, False, how)
+                return decide(config, key, summarise(), torch.float32, model, 1, None, False, rounds, rings)
 
             def choose_memo():
-                return decide(config, key, summarise(), torch.float32, model, 1, None, False, how)
+                return decide(config, key, summarise(), torch.float32, model, 1, None, False, rounds, rings)
 
             choice, weighed = choose_new()
             counts = receive()
@@ -237,8 +238,9 @@ def model_rows(args: argparse.Namespace) -> list[dict]:
             clear_decisions()
             start = time.perf_counter()
             summary = CountSummary.of("all_reduce", table, layout, topology)
-            how = protocol(world, "auto")  # the scalable exchange: three rounds, and no rings
-            _, weighed = decide(config, f"model|{how}", summary, torch.float32, model, 1, None, True, how)
+            how = protocol(world)  # the scalable exchange: three rounds, and no rings
+            rounds, rings = exchange_rounds(how, "all_reduce"), how == "table"
+            _, weighed = decide(config, f"model|{how}", summary, torch.float32, model, 1, None, True, rounds, rings)
             per_p2 = max(per_p2, (time.perf_counter() - start) / (world * world))
             sparse = {name: t for name, t in weighed.items() if name not in ("native/dense", "hierarchical")}
             best = min(sparse, key=sparse.get)

@@ -42,6 +42,7 @@ from spccl_train.collectives import CollectiveConfig, CostModel, Phase, Threshol
 from spccl_train.collectives.choice import NATIVE_MARGIN
 from spccl_train.collectives.chunking import ChunkLayout
 from spccl_train.collectives.cost import CodecCost, LinkCost
+from spccl_train.collectives.exchange import exchange_rounds
 from spccl_train.collectives.plan import message_bytes
 from spccl_train.formats import Format
 
@@ -172,7 +173,7 @@ def _check_plan(
             expected = plan.format if (sigma > expected_threshold and sparse_pays) else Format.DENSE
             assert m.format is expected, f"{what}: format of {m}"
     assert stats.bytes_sent == plan.bytes_sent(rank), what
-    rounds = 3 if stats.exchange == "scalable" else 1  # host synchronisations of the count exchange
+    rounds = exchange_rounds(stats.exchange, collective, cfg.algorithm == "ring")  # host synchronisations
     assert stats.exchanges == rounds + (stats.gather_counts == "measured"), what
     assert stats.gather_counts in (("bound", "measured") if collective == "all_reduce" else ("",)), what
     if cfg.gather_counts != "auto" and collective == "all_reduce" and plan.format is not Format.DENSE:
@@ -389,8 +390,8 @@ def _job_scalable(rank, world, seed, rpn):
                 protocols.append(stats.exchange_bytes)
         cfg = CollectiveConfig(format="pici", algorithm="ring", ranks_per_node=rpn)
         xs = _inputs(_seed(seed, "ring"), world, world * TILE, torch.float32, 0.9, "random")
-        digests.append(_run_one(rank, world, "all_reduce", xs, cfg, "scalable: ring keeps the table", group))
-        assert last_stats().exchange == "table"
+        digests.append(_run_one(rank, world, "all_reduce", xs, cfg, "scalable: a ring gathers the table", group))
+        assert (last_stats().exchange, last_stats().exchanges) == ("scalable", 2)  # the headers, then the table
         return digests, protocols
     finally:
         os.environ.pop("SPCCL_SCALABLE_EXCHANGE_WORLD", None)
@@ -540,6 +541,9 @@ def _bad_call(rank, world, case, algorithm):
         "numel": lambda: spccl_train.all_reduce(torch.ones(n + (rank == 1)), config=cfg),
         "dtype": lambda: spccl_train.all_reduce(x.to(torch.bfloat16) if rank == 2 else x, config=cfg),
         "config": lambda: spccl_train.all_reduce(x, config=CollectiveConfig(format="pici" if rank else "coo")),
+        "algorithm": lambda: spccl_train.all_reduce(
+            x, config=CollectiveConfig(format="pici", algorithm="direct" if rank else "ring")
+        ),
         "thresholds": lambda: spccl_train.all_reduce(
             x, config=CollectiveConfig(format="pici", thresholds=Thresholds(intra=0.5 if rank == 1 else 0.6))
         ),
@@ -572,6 +576,7 @@ BAD_CALLS = {
     "numel": "ValueError: spccl_train.all_reduce: ranks disagree on the input numel (rank 0: 30, rank 1: 31, rank 2: 30)",
     "dtype": "disagree on the dtype (rank 0: torch.float32, rank 1: torch.float32, rank 2: torch.bfloat16)",
     "config": "ranks passed different CollectiveConfigs (alike within: ranks [0]; ranks [1, 2])",
+    "algorithm": "ranks passed different CollectiveConfigs (alike within: ranks [0]; ranks [1, 2])",
     "thresholds": "ranks passed different CollectiveConfigs (alike within: ranks [0, 2]; ranks [1])",
     "collective": "ranks called different collectives (rank 0: all_reduce, rank 1: all_gather_into_tensor",
     "not_contiguous": "invalid arguments on 1 of 3 ranks. rank 1: the input is not contiguous",

@@ -23,7 +23,7 @@ from spccl_train.collectives.plan import (
     plan_all_gather,
     plan_reduce_scatter,
 )
-from spccl_train.collectives.rank_plan import plan_all_gather_for, reduced_bounds
+from spccl_train.collectives.rank_plan import plan_all_gather_for
 from spccl_train.collectives.summary import CountSummary, _round, predict
 from spccl_train.formats import TILE, Format, align16, pici_bytes
 
@@ -318,7 +318,7 @@ def _sends_sparse(best, collective, table, layout, topology) -> bool:
         plan = plan_candidate(best, collective, CollectiveConfig(), counts, layout, F32, topology, rank)
         if collective == "all_reduce":
             reduced = (
-                reduced_bounds(table, layout)
+                Counts.from_table(collective, table, layout, rank).reduced_bounds()
                 if best.gather_counts == "bound"
                 else estimate_reduced_counts(table, layout)
             )

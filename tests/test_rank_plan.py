@@ -17,13 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spccl_train.collectives import ChunkLayout, CostModel, Thresholds, Topology
+from spccl_train.collectives.exchange import Counts
 from spccl_train.collectives.plan import (
     bound_reduced_counts,
     estimate_reduced_counts,
     plan_all_gather,
     plan_reduce_scatter,
 )
-from spccl_train.collectives.rank_plan import plan_all_gather_for, plan_reduce_scatter_for, reduced_bounds
+from spccl_train.collectives.rank_plan import plan_all_gather_for, plan_reduce_scatter_for
 from spccl_train.collectives.summary import CountSummary, predict
 from spccl_train.formats import TILE, Format
 
@@ -134,7 +135,9 @@ def test_summary_holds_the_tables_sums(call):
                 sent[int(topology.is_inter(q, c)), q] += nnz
                 received[int(topology.is_inter(q, c)), c] += nnz
     assert s.sent.tolist() == sent.tolist() and s.received.tolist() == received.tolist()
-    assert s.bound.tolist() == bound_reduced_counts(table, layout) == reduced_bounds(table, layout).tolist()
+    assert s.bound.tolist() == bound_reduced_counts(table, layout)
+    if collective == "all_reduce":  # what the gather phase is sized from
+        assert Counts.from_table(collective, table, layout, 0).reduced_bounds().tolist() == s.bound.tolist()
     assert s.estimate.tolist() == estimate_reduced_counts(table, layout)
     assert s.held.tolist() == [sum(row) for row in table]
 
@@ -147,11 +150,14 @@ def _uniform(layout: ChunkLayout, density: float) -> list[list[int]]:
 @pytest.mark.parametrize("algorithm", ["ring", "direct"])
 @pytest.mark.parametrize("fmt", [Format.PICI, Format.COO, Format.DENSE])
 @pytest.mark.parametrize("world, rpn, channels", [(2, None, 1), (4, 2, 2), (6, 3, 1), (8, 1, 3), (5, 2, 2)])
-@pytest.mark.parametrize("density", [0.001, 0.03, 0.3])
-def test_summary_predictions_equal_the_plans_on_equal_pieces(collective, algorithm, fmt, world, rpn, channels, density):
+@pytest.mark.parametrize("density", [0.001, 0.03, 0.25])  # away from the thresholds (COO inter: 0.7)
+@pytest.mark.parametrize("per_rank", [16 * TILE, 5 * TILE + 7])
+def test_summary_predictions_equal_the_plans_on_equal_pieces(
+    collective, algorithm, fmt, world, rpn, channels, density, per_rank
+):
     """Where every rank holds each piece equally densely, the mean field is exact: the summary's
-    time equals the reference plan's (up to each direct message's 16-byte alignment)."""
-    per_rank = 16 * TILE
+    time equals the reference plan's (up to each direct message's 16-byte alignment). Where the
+    pieces differ in size (a chunk not a multiple of ``channels`` tiles) it is within 10% above it."""
     layout = ChunkLayout.of(collective, world * per_rank, world, channels)
     table = _uniform(layout, density)
     topology = Topology(world, rpn)
@@ -189,7 +195,10 @@ def test_summary_predictions_equal_the_plans_on_equal_pieces(collective, algorit
         for mode, plan in plans.items():
             want = model.predict(plan, 1 + (mode == "measured"))
             got = predict(model, summary, torch.float32, algorithm, fmt, th, 1, mode)
-            assert got.seconds == pytest.approx(want, rel=1e-3), (mode, model.exchange_s)
+            if per_rank % (channels * TILE) == 0:  # equal pieces
+                assert got.seconds == pytest.approx(want, rel=1e-3), (mode, model.exchange_s)
+            else:  # the ring priced at its largest piece, each direct message at its rank's mean size
+                assert want * (1 - 1e-3) <= got.seconds <= want * 1.1, (mode, got.seconds, want)
             assert got.sparse == any(m.sparse for m in plan.messages())
 
 

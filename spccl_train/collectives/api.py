@@ -37,7 +37,6 @@ from .chunking import ChunkLayout, count_nonzero_pieces
 from .config import CollectiveConfig
 from .cost import CostModel
 from .exchange import (
-    SCALABLE_ROUNDS,
     Counts,
     Problem,
     Request,
@@ -48,6 +47,7 @@ from .exchange import (
     exchange_bytes,
     exchange_counts,
     exchange_reduced_counts,
+    exchange_rounds,
     exchange_scalable,
     protocol,
 )
@@ -732,16 +732,21 @@ def _run(
             config, fingerprint = _bounded_config(config, fingerprint)
             fingerprint += nodes
     else:
-        how = protocol(p, config.algorithm)
+        how = protocol(p)
         counts, xdev = _exchange(
-            collective, request, layout, x, Topology(p, rpn), planner, planning_stream, corrections, how
-        )
+            collective, request, layout, x, Topology(p, rpn), planner, planning_stream, corrections, how,
+            whole_table=config.algorithm == "ring",
+        )  # fmt: skip
     # From here on every rank holds the same counts (or summaries) and computes the same decisions.
     if how:
-        _checked.setdefault(transport, set()).add(_signature(request))
+        checked = _checked.setdefault(transport, set())
+        if len(checked) >= 1024:  # every rank adds and forgets alike; a forgotten shape is checked again
+            checked.clear()
+        checked.add(_signature(request))
     topology = Topology(p, rpn)
-    scalable = counts.table is None
-    received = exchange_bytes(how, collective, p, config.channels, topology) if how else 0
+    whole = how == "table" or (how == "scalable" and config.algorithm == "ring")  # every rank's counts
+    rounds = exchange_rounds(how, collective, whole_table=how == "scalable" and whole) if how else 0
+    received = exchange_bytes(how, collective, p, config.channels, how == "scalable" and whole) if how else 0
     measured = _model(config, transport, topology, inp.device)
     default_group = hierarchical.is_world(transport.group)
     model, key = (
@@ -754,7 +759,8 @@ def _run(
     if config.algorithm == "hierarchical":  # asked for: run its steps, unless the group has one level
         check_hierarchy(p, topology.ranks_per_node)  # every rank agreed on the nodes in the exchange
         if hierarchical.applies(topology) and layout.numel > 0:
-            flat = model.planning(collective, layout.numel, inp.dtype, p)  # the flat exchange before the steps
+            # the flat exchange before the steps
+            flat = model.planning(collective, layout.numel, inp.dtype, p) + (rounds - 1) * model.exchange_s
             return _hierarchical_call(
                 collective, transport, config, topology, inp, out, timer, flat, None, how, received
             )
@@ -768,14 +774,15 @@ def _run(
     if planned is None:
         choice, weighed = decide(
             config,
-            f"{key}|{'scalable' if scalable else 'table'}",
+            key,
             counts.summary(layout, topology),
             inp.dtype,
             model,
             0 if bounds is not None else 1,
             factors,
             default_group,
-            "scalable" if scalable else "table",
+            max(rounds, 1),
+            counts.table is not None,
         )
         if choice.algorithm == "hierarchical":  # auto chose it: the steps exchange and plan on the node subgroups
 
@@ -800,7 +807,7 @@ def _run(
     choice, weighed, plan, bound_gather = planned
     sink = StatusSink(inp.device)
     y = out.view(-1)
-    exchanges = 0 if bounds is not None else SCALABLE_ROUNDS if scalable else 1  # host synchronisations
+    exchanges = rounds  # host synchronisations (none with bounds)
     if choice.algorithm == "native":
         _native(collective, transport, x, y)
         chunk_bytes = layout.numel // p * inp.element_size()
@@ -900,7 +907,7 @@ def _goes_native_unexchanged(
     if config.format == "dense":
         return True
     topology = Topology(transport.world, rpn)
-    rounds = SCALABLE_ROUNDS if protocol(transport.world, config.algorithm) == "scalable" else 1
+    rounds = exchange_rounds(protocol(transport.world), collective)
     model = _model(config, transport, topology, request.device).model  # made by the checked call already
     corrections = _corrections(config, transport)
     factors = (
@@ -1031,6 +1038,7 @@ def _exchange(
     planning_stream: torch.cuda.Stream | None,
     corrections: Corrections | None,
     how: str = "table",
+    whole_table: bool = False,
 ) -> tuple[Counts, torch.device]:
     """Count this rank's pieces and exchange the counts (the call's host synchronisations) by the
     ``how`` protocol (:func:`.exchange.protocol`), with the time of this rank's previous call on
@@ -1045,7 +1053,7 @@ def _exchange(
                 counts = count_nonzero_pieces(x, layout)
         observed = corrections.report() if corrections is not None else -1
         if how == "scalable":
-            shared, xdev, times = exchange_scalable(planner, request, counts, layout, topology, observed)
+            shared, xdev, times = exchange_scalable(planner, request, counts, layout, topology, observed, whole_table)
         else:
             width = topology.world * request.channels
             table, xdev, times = exchange_counts(planner, request, counts, width, observed)
@@ -1090,7 +1098,9 @@ def _measured_bounds(
         planner,
         planning_stream,
         _corrections(config, transport),
-    )  # the table protocol: every rank derives every rank's bounds
+        protocol(transport.world),
+        whole_table=True,  # every rank derives every rank's bounds
+    )
     table = exchanged.table.tolist()
     assert layout is not None  # the exchange raised on every rank otherwise
     sizes = [piece.numel for chunk in layout.pieces for piece in chunk]

@@ -29,7 +29,7 @@ from . import hierarchical
 from .chunking import ChunkLayout
 from .config import CollectiveConfig
 from .cost import CostModel
-from .exchange import SCALABLE_ROUNDS, Counts
+from .exchange import Counts
 from .feedback import factor_of
 from .plan import Plan
 from .rank_plan import plan_all_gather_for, plan_direct_reduce_scatter_for, plan_reduce_scatter_for
@@ -70,7 +70,8 @@ def choose(
     exchanges: int = 1,
     factors: Mapping[str, float] | None = None,
     default_group: bool = False,
-    protocol: str = "table",
+    rounds: int = 1,
+    rings: bool = True,
 ) -> tuple[Candidate, dict[str, float]]:
     """Weigh the candidates ``config`` allows; return the cheapest and every prediction by name.
 
@@ -88,15 +89,17 @@ def choose(
             each candidate's prediction is multiplied by :func:`.feedback.factor_of`.
         default_group: the call is on the default group, so an all-reduce across nodes may weigh
             the hierarchical one (:mod:`.hierarchical`; its subgroups are made from that group).
-        protocol: how the call exchanges its counts (:func:`.exchange.protocol`): the scalable
-            exchange costs every candidate :data:`.exchange.SCALABLE_ROUNDS` exchanges, and
-            cannot size rings, which are then not weighed.
+        rounds: host synchronisations of the call's count exchange
+            (:func:`.exchange.exchange_rounds`): each beyond the first costs every candidate one
+            more exchange.
+        rings: whether the exchange gave every rank's counts, which a ring needs (the scalable
+            exchange does not, unless a ring was asked for): else rings are not weighed.
 
     The candidates are weighed from the table's :class:`~.summary.CountSummary`, not from plans:
     every candidate comes without one (:func:`plan_candidate` plans the chosen one).
     """
     summary = CountSummary.of(collective, counts, layout, topology)
-    return weigh(summary, config, dtype, model, exchanges, factors, default_group, protocol)
+    return weigh(summary, config, dtype, model, exchanges, factors, default_group, rounds, rings)
 
 
 def weigh(
@@ -107,7 +110,8 @@ def weigh(
     exchanges: int = 1,
     factors: Mapping[str, float] | None = None,
     default_group: bool = False,
-    protocol: str = "table",
+    rounds: int = 1,
+    rings: bool = True,
 ) -> tuple[Candidate, dict[str, float]]:
     """:func:`choose` from a summary: O(world x channels) array work per candidate."""
     collective, layout, topology = summary.collective, summary.layout, summary.topology
@@ -119,7 +123,7 @@ def weigh(
         candidates.append((Candidate("native", Format.DENSE, predicted), True))
     if not native_only:
         formats = [Format.PICI, Format.COO] if config.format == "auto" else [Format(config.format)]
-        flat = ["direct"] if protocol == "scalable" else ["ring", "direct"]
+        flat = ["ring", "direct"] if rings else ["direct"]
         flat = flat if config.algorithm == "auto" else [config.algorithm]
         for fmt in formats:
             th = config.thresholds.resolve(fmt)
@@ -150,8 +154,8 @@ def weigh(
                 extra = model.planning(collective, layout.numel, dtype, topology.world, 1)
                 fmt = Format.PICI if config.format == "auto" else Format(config.format)
                 candidates.append((Candidate("hierarchical", fmt, predicted + extra), True))
-    if protocol == "scalable" and exchanges:  # its rounds beyond the one every prediction counts
-        extra = (SCALABLE_ROUNDS - 1) * model.exchange_s
+    if rounds > 1 and exchanges:  # the exchange's rounds beyond the one every prediction counts
+        extra = (rounds - 1) * model.exchange_s
         candidates = [(dataclasses.replace(c, predicted_s=c.predicted_s + extra), sparse) for c, sparse in candidates]
     if factors:
         candidates = [
@@ -202,7 +206,8 @@ def decide(
     exchanges: int = 1,
     factors: Mapping[str, float] | None = None,
     default_group: bool = False,
-    protocol: str = "table",
+    rounds: int = 1,
+    rings: bool = True,
 ) -> tuple[Candidate, dict[str, float]]:
     """:func:`weigh` on the summary rounded to 1/16 of an octave of density
     (:meth:`~.summary.CountSummary.rounded`), memoised: calls with the same sparsity profile (every
@@ -224,7 +229,8 @@ def decide(
         layout.world,
         layout.channels,
         summary.topology,
-        protocol,
+        rounds,
+        rings,
         corrected,
         rounded.key(),
     )
@@ -232,7 +238,7 @@ def decide(
     if hit is None:
         if len(_decisions) >= _MAX_DECISIONS:
             _decisions.clear()  # a pure memo: forgetting only costs a recomputation
-        hit = _decisions[key] = weigh(rounded, config, dtype, model, exchanges, factors, default_group, protocol)
+        hit = _decisions[key] = weigh(rounded, config, dtype, model, exchanges, factors, default_group, rounds, rings)
     return hit
 
 

@@ -1,10 +1,10 @@
 """The planning exchange: every rank's call and nonzero counts, checked and shared.
 
-Two protocols; every rank picks the same one from the group size and the algorithm asked for
-(:func:`protocol`), before anything is sent.
+Two protocols; every rank picks the same one from the group size alone (:func:`protocol`),
+before anything is sent: nothing from a rank's config can decide it, since the configs are only
+compared by the exchange itself.
 
-**table** (groups under :data:`SCALABLE_WORLD` ranks, rings, calls whose bounds are derived from
-counts): one all-gather, per collective, of one int64 row per rank: a header describing its call
+**table** (groups under :data:`SCALABLE_WORLD` ranks): one all-gather, per collective, of one int64 row per rank: a header describing its call
 (which collective, numel, dtypes, device, a fingerprint of its config, and any local argument
 problems), then the nonzero count of every piece it holds (``world * channels`` slots, so the row
 length is equal on every rank whatever the tensors are). One host synchronisation later every
@@ -12,15 +12,17 @@ rank holds the same table, checks it with the same code, and so either plans the
 or raises the same ``ValueError``: a bad argument on one rank never leaves the others hanging.
 Each rank receives ``world * (11 + world * channels)`` int64: O(world^2).
 
-**scalable** (larger groups, direct and hierarchical): three rounds, each one host
-synchronisation, O(world x channels) int64 per rank:
+**scalable** (larger groups): up to three rounds, each one host synchronisation
+(:func:`exchange_rounds`), O(world x channels) int64 per rank:
 
 1. an all-reduce (max) of every rank's header and its negation: the fields' maxima and minima.
    Where they differ, or a rank has problems, every rank gathers the headers (only then) and
    raises the table protocol's error;
 2. the counts: an all-to-all (reduce-scatter and all-reduce: rank ``q`` sends rank ``c`` its
    counts of chunk ``c``, so each rank gets its own chunk's column) or an all-gather of the
-   ``channels`` counts of each rank's input (all-gather);
+   ``channels`` counts of each rank's input (all-gather). A ring (asked for; round 1 checked that
+   every rank asked for it) or a graphed call, which need every rank's counts, gathers the table
+   here instead and is done: O(world^2) bytes again;
 3. reduce-scatter and all-reduce: what the owners alone know, for the cost model and the gather
    phase: an all-reduce (max) of each rank's nonzeros sent and received per hop kind, an
    all-reduce (sum) of the expected nonzeros of every reduced piece index and of every rank's
@@ -28,8 +30,8 @@ synchronisation, O(world x channels) int64 per rank:
 
 Each rank receives ``2 x world x channels`` int64 (16 bytes per rank and piece) and about 250
 bytes of headers, sums and maxima (:func:`exchange_bytes`). The summary ``auto`` weighs is then made
-of maxima and means (:meth:`Counts.summary`) rather than of the whole table, and rings, which
-need the whole table to size their steps, are weighed only under the table protocol.
+of maxima and means (:meth:`Counts.summary`) rather than of the whole table, and ``auto`` does
+not weigh rings, which need the whole table to size their steps.
 
 An all-reduce that measures its gather phase exchanges a second, shorter row (the counts of its
 reduced chunk) before it.
@@ -55,8 +57,8 @@ from .topology import Topology
 
 __all__ = [
     "Counts",
-    "SCALABLE_ROUNDS",
     "SCALABLE_WORLD",
+    "exchange_rounds",
     "protocol",
     "exchange_scalable",
     "owner_terms",
@@ -231,15 +233,21 @@ From 32 ranks the table (``world^2 x channels`` int64 per rank, 16 KiB at 32 ran
 channels; 16 MiB at 1024) costs more than the two extra synchronisations; below, one round wins."""
 
 
-SCALABLE_ROUNDS = 3
-"""Host synchronisations of a scalable count exchange (the table protocol's: one)."""
-
-
-def protocol(world: int, algorithm: str) -> str:
-    """``"table"`` or ``"scalable"``: what every rank of a group of ``world`` uses for a call of
-    ``algorithm`` (from the config, equal on every rank); rings always use the table."""
+def protocol(world: int) -> str:
+    """``"table"`` or ``"scalable"``: what every rank of a group of ``world`` ranks uses. From the
+    group size alone: anything from a rank's config could differ between ranks before round 1
+    has compared them, and ranks in different protocols would post different collectives."""
     threshold = int(os.environ.get("SPCCL_SCALABLE_EXCHANGE_WORLD", SCALABLE_WORLD))
-    return "scalable" if world >= max(2, threshold) and algorithm != "ring" else "table"
+    return "scalable" if world >= max(2, threshold) else "table"
+
+
+def exchange_rounds(how: str, collective: str, whole_table: bool = False) -> int:
+    """Host synchronisations of a count exchange: the table protocol's one; the scalable one's
+    header round, then the counts (an all-gather, or the whole table for a ring: done), then for
+    a reduce-scatter or all-reduce the owners' sums and bounds."""
+    if how == "table":
+        return 1
+    return 2 if whole_table or collective == "all_gather" else 3
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -346,13 +354,15 @@ def owner_terms(
     return maxima, bound, np.concatenate([estimate, [row.sum()]])
 
 
-def exchange_bytes(how: str, collective: str, world: int, channels: int, topology: Topology) -> int:
+def exchange_bytes(how: str, collective: str, world: int, channels: int, whole_table: bool = False) -> int:
     """Bytes a count exchange by protocol ``how`` delivers to each rank (what it receives, every
     round): the table's ``world * (11 + world * channels)`` int64, or the scalable protocol's
-    ``2 x 11`` header extrema, ``world x channels`` counts, and (reductions) the sums and maxima
-    plus, for an all-reduce, ``world x channels`` bounds."""
+    ``2 x 11`` header extrema, then ``world x channels`` counts (a ring: the ``world^2 x channels``
+    table), and (reductions) the sums and maxima plus, for an all-reduce, ``world x channels`` bounds."""
     if how == "table":
         return 8 * world * (len(HEADER_FIELDS) + world * channels)
+    if whole_table:
+        return 8 * (2 * len(HEADER_FIELDS) + world * world * channels)
     total = 2 * len(HEADER_FIELDS) + world * channels
     if collective != "all_gather":
         total += 4 + channels + 1 + (world * channels if collective == "all_reduce" else 0)
@@ -366,6 +376,7 @@ def exchange_scalable(
     layout: ChunkLayout | None,
     topology: Topology,
     observed: int = -1,
+    whole_table: bool = False,
 ) -> tuple[Counts, torch.device, list[int]]:
     """The scalable protocol (see the module docstring): check every rank's call, then share the counts.
 
@@ -373,6 +384,8 @@ def exchange_scalable(
         counts: this rank's per-piece nonzero counts (int64, ``world * channels``; an all-gather:
             ``channels``), or ``None`` when it has problems and counted nothing.
         layout: the call's chunks (``None`` with problems: the first round raises on every rank).
+        whole_table: gather every rank's counts in round 2 (a ring sizes its steps from them); the
+            config asks for it, and round 1 checked that every rank's config is the same.
 
     Returns:
         ``(counts, device, observed)``: ``observed`` is the lowest and the highest of the ranks'
@@ -395,6 +408,9 @@ def exchange_scalable(
     assert layout is not None and counts is not None  # no rank has problems
     p, ch, r = layout.world, layout.channels, transport.rank
     times = [least[f["observed"]], most[f["observed"]]]
+    if whole_table:  # synchronisation 2: the table protocol's counts, after the checked headers
+        table = transport.all_gather_rows(counts.to(device)).cpu().numpy()
+        return Counts.from_table(request.collective, table, layout, r), device, times
     if request.collective == "all_gather":
         gathered = transport.all_gather_rows(counts.to(device)).cpu().numpy()  # synchronisation 2
         return Counts(request.collective, r, gathered[r : r + 1], None, gathered), device, times

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from .chunking import ChunkLayout
 from .config import CollectiveConfig
 from .cost import CostModel
-from .exchange import protocol
+from .exchange import exchange_rounds, protocol
 from .summary import CountSummary
 from .topology import Topology
 
@@ -127,8 +127,10 @@ def predict(
         if collective == "all_gather":  # a row's first pieces are its input's
             sizes[layout.channels :] = 0
         table = np.rint(np.outer(rows, sizes)).astype(np.int64)
-        how = protocol(world, cfg.algorithm)  # each step exchanges its counts as its subgroup's size says
-        chosen, _ = weigh(collective, cfg, table, sub, dtype, Topology(world, rpn), model, protocol=how)
+        how = protocol(world)  # each step exchanges its counts as its subgroup's size says
+        whole = how == "table" or cfg.algorithm == "ring"
+        rounds = exchange_rounds(how, collective, cfg.algorithm == "ring")
+        chosen, _ = weigh(collective, cfg, table, sub, dtype, Topology(world, rpn), model, rounds=rounds, rings=whole)
         return chosen.predicted_s, chosen.algorithm != "native"
 
     densest = max(range(nodes), key=lambda k: sum(by_node[k]))

@@ -28,20 +28,12 @@ from .config import ResolvedThresholds
 from .plan import Message, Phase, Plan, Route, Step, padded_slot, sparsities, wire_format
 from .topology import Topology
 
-__all__ = ["plan_reduce_scatter_for", "plan_direct_reduce_scatter_for", "plan_all_gather_for", "reduced_bounds"]
+__all__ = ["plan_reduce_scatter_for", "plan_direct_reduce_scatter_for", "plan_all_gather_for"]
 
 
 def _node(topology: Topology, ranks: np.ndarray) -> np.ndarray:
     rpn = topology.ranks_per_node
     return np.zeros_like(ranks) if rpn is None else ranks // rpn
-
-
-def reduced_bounds(table: object, layout: ChunkLayout) -> np.ndarray:
-    """``bound[c, k] = min(n, sum over ranks of their count)``: what a reduced piece can hold
-    (:func:`~.plan.bound_reduced_counts`, as an array)."""
-    p, ch = layout.world, layout.channels
-    cube = np.asarray(table, dtype=np.int64).reshape(p, -1)[:, : p * ch].reshape(p, p, ch)
-    return np.minimum(piece_arrays(layout)[0], cube.sum(0))
 
 
 def _messages(

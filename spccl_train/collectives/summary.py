@@ -45,11 +45,11 @@ import math
 import numpy as np
 import torch
 
-from ..formats import Format
+from ..formats import TILE, Format
 from ..formats.layout import element_size
 from .chunking import ChunkLayout, piece_arrays
 from .cost import CostModel
-from .plan import padded_slot, sparsities, wire_format
+from .plan import COO_HEADER_BYTES, padded_slot, sparsities, wire_format
 from .topology import Topology
 
 __all__ = ["CountSummary", "Prediction", "predict"]
@@ -71,6 +71,9 @@ class _Geometry:
     sent_msgs: np.ndarray
     recv_elems: np.ndarray
     recv_msgs: np.ndarray
+    sent_meta: np.ndarray
+    """Pici metadata bytes of the messages a rank sends, by hop kind (its fixed cost per piece)."""
+    recv_meta: np.ndarray
     kinds: tuple[int, ...]
     """Hop kinds a ring step uses (0: inside a node, 1: across nodes)."""
     ring_pairs: tuple[tuple[int, int], ...]
@@ -88,6 +91,9 @@ def _geometry(layout: ChunkLayout, topology: Topology) -> _Geometry:
     msgs = np.broadcast_to((n > 0).sum(1), (p, p))
     sent_elems, recv_elems = _by_kind(elems, topology)
     sent_msgs, recv_msgs = _by_kind(msgs, topology)
+    tiles = -(-n // TILE)
+    meta = np.where(n > 0, 512 * tiles + _align16(4 * (tiles + 1)), 0).sum(1)  # per chunk, all its pieces
+    sent_meta, recv_meta = _by_kind(np.broadcast_to(meta, (p, p)), topology)
     rpn = topology.ranks_per_node
     local = p if rpn is None else min(rpn, p)
     kinds = tuple(h for h, used in ((_INTRA, local > 1), (_INTER, topology.nodes > 1)) if used)
@@ -95,7 +101,7 @@ def _geometry(layout: ChunkLayout, topology: Topology) -> _Geometry:
     ring_pairs = tuple(sorted({(hop[q], hop[q - 1]) for q in range(p)}))
     same = np.array([min(local, p - (q // local) * local) - 1 for q in range(p)], dtype=np.int64)
     peers = np.stack([same, p - 1 - same])
-    return _Geometry(n, sent_elems, sent_msgs, recv_elems, recv_msgs, kinds, ring_pairs, peers)
+    return _Geometry(n, sent_elems, sent_msgs, recv_elems, recv_msgs, sent_meta, recv_meta, kinds, ring_pairs, peers)
 
 
 def _by_kind(per_pair: np.ndarray, topology: Topology) -> tuple[np.ndarray, np.ndarray]:
@@ -313,22 +319,24 @@ def _direct_reduce(model: CostModel, s: CountSummary, size: int, fmt: Format, th
     for h in (_INTRA, _INTER):
         link = model.link(h == _INTER)
         tau = th.inter if h == _INTER else th.intra
-        for nnz, elems, msgs, outgoing in (
-            (s.sent[h], geo.sent_elems[h], geo.sent_msgs[h], True),
-            (s.received[h], geo.recv_elems[h], geo.recv_msgs[h], False),
+        for nnz, elems, msgs, meta, outgoing in (
+            (s.sent[h], geo.sent_elems[h], geo.sent_msgs[h], geo.sent_meta[h], True),
+            (s.received[h], geo.recv_elems[h], geo.recv_msgs[h], geo.recv_meta[h], False),
         ):
             some = msgs > 0
             if not some.any():
                 continue
             per = np.maximum(msgs, 1)
-            n_mean = np.where(some, np.rint(elems / per), 0).astype(np.int64)
-            nnz_mean = nnz / per
-            sigma = sparsities(elems, nnz)
-            sparse, nbytes = wire_format(fmt, n_mean, nnz_mean, sigma, tau, size)
-            sparse &= some
-            any_sparse = any_sparse or bool(sparse.any())
-            wire = msgs * _align16(np.ceil(nbytes).astype(np.int64)) / link.grouped_bandwidth
             dense_bytes = elems * size
+            # the messages' payloads summed (affine in nnz: exact for Pici), as if equally dense
+            if fmt is Format.PICI:
+                payload = meta + nnz * size
+            else:
+                payload = msgs * (COO_HEADER_BYTES + _align16(np.ceil(4 * nnz / per).astype(np.int64))) + nnz * size
+            sparse = some & (fmt is not Format.DENSE) & (sparsities(elems, nnz) > tau) & (payload < dense_bytes)
+            any_sparse = any_sparse or bool(sparse.any())
+            nbytes = np.where(sparse, payload, dense_bytes) / per
+            wire = msgs * _align16(np.ceil(nbytes).astype(np.int64)) / link.grouped_bandwidth
             if outgoing:
                 out_wire += wire
                 encode += _codec_seconds(codec, sparse, msgs, dense_bytes, "compress", model.copy)
@@ -361,12 +369,11 @@ def _direct_gather(model: CostModel, s: CountSummary, payload: np.ndarray, size:
         per_peer = np.full(p, slot)
         out_wire = per_peer * (geo.peers[_INTRA] / bw[_INTRA] + geo.peers[_INTER] / bw[_INTER])
         in_wire = out_wire
-        waves = np.full(p, s.layout.channels)
     else:
         mine = nbytes.sum(1)
         out_wire = mine * (geo.peers[_INTRA] / bw[_INTRA] + geo.peers[_INTER] / bw[_INTER])
         in_wire = _from_others(mine / bw[_INTRA], mine / bw[_INTER], s.topology)
-        waves = np.full(p, int((n.max(0) > 0).sum()))
+    waves = int((n.max(0) > 0).sum())  # piece indices that carry messages: one exchange each
     kinds = [h for h in (_INTRA, _INTER) if geo.peers[h].max() > 0]
     slowest = max((model.link(h == _INTER).latency_s for h in kinds), default=0.0)
     latency = waves * slowest
@@ -393,8 +400,9 @@ def _ring_reduce(model: CostModel, s: CountSummary, size: int, fmt: Format, th) 
     mean = s.ring / (p - 1)  # [k]: the densest chunk's mean contribution
     t = np.arange(1, p)[:, None]  # contributions summed at each step
     bound = np.minimum(n, t * mean)  # [t, k]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sigma = np.where(n > 0, (1.0 - mean / np.maximum(n, 1)) ** t, 1.0)
+    # the extrapolated sparsity, a running product as the planner takes it (not numpy's power,
+    # whose last bit depends on the CPU's vector extensions)
+    sigma = np.cumprod(np.broadcast_to(sparsities(n, mean), (p - 1, len(n))), axis=0)
     dense_bytes = n * size
     codec = model.codec(fmt) if fmt is not Format.DENSE else None
     send, recv = {}, {}
