@@ -113,7 +113,6 @@ def _counts(table: np.ndarray, layout: ChunkLayout, topology: Topology, how: str
         owner_terms(cube[rank], cube[:, rank], layout, topology, rank)  # this rank's share of round 3
         return Counts(
             "all_reduce",
-            rank,
             cube[rank],
             cube[:, rank],
             bounds,

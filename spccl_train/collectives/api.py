@@ -446,6 +446,12 @@ def _hierarchical_call(
     return stats, event
 
 
+def _dense_ring_bytes(collective: str, numel: int, world: int, element_size: int) -> int:
+    """Bytes one rank sends in a dense ring of ``numel`` elements (the chunked tensor): ``world - 1``
+    chunks per phase, two phases for an all-reduce; the baseline of ``CollectiveStats.dense_bytes``."""
+    return (world - 1) * (numel // world) * element_size * (2 if collective == "all_reduce" else 1)
+
+
 def _hierarchical_stats(
     collective: str,
     transport: P2PTransport,
@@ -473,7 +479,7 @@ def _hierarchical_stats(
         exchanges=1 + sum(part.exchanges for part in parts),
         gather_counts="",
         bytes_sent=sum(part.bytes_sent for part in parts),
-        dense_bytes=(p - 1) * chunk * element_size * (2 if collective == "all_reduce" else 1),
+        dense_bytes=_dense_ring_bytes(collective, p * chunk, p, element_size),
         graph="",
         _statuses=torch.cat(statuses) if statuses else None,
         _timer=timer,
@@ -810,9 +816,7 @@ def _run(
     exchanges = rounds  # host synchronisations (none with bounds)
     if choice.algorithm == "native":
         _native(collective, transport, x, y)
-        chunk_bytes = layout.numel // p * inp.element_size()
-        dense = (p - 1) * chunk_bytes * (2 if collective == "all_reduce" else 1)
-        sent = dense
+        sent = dense = _dense_ring_bytes(collective, layout.numel, p, inp.element_size())
     else:
         own = layout.chunks[r]
         if collective == "all_gather":
@@ -948,7 +952,7 @@ def _native_call(
     if corrections is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         corrections.called(collective, "native/dense", nbytes, predicted, timer)
         predicted *= factor_of(corrections.factors_for(collective, nbytes), "native/dense")
-    dense = (p - 1) * (layout.numel // p) * x.element_size() * (2 if collective == "all_reduce" else 1)
+    dense = _dense_ring_bytes(collective, layout.numel, p, x.element_size())
     stats = CollectiveStats(
         collective=collective,
         algorithm="native",

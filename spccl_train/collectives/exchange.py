@@ -256,7 +256,6 @@ class Counts:
     ``auto`` and to plan this rank's messages. Arrays are int64."""
 
     collective: str
-    rank: int
     row: np.ndarray
     """``row[c, k]``: this rank's count of piece ``k`` of chunk ``c`` (an all-gather: ``(1, channels)``,
     its input's)."""
@@ -283,12 +282,12 @@ class Counts:
         full = np.asarray(table, dtype=np.int64).reshape(p, -1)
         if collective == "all_gather":
             own = full[:, :ch]
-            return cls(collective, rank, own[rank : rank + 1], None, own, full)
+            return cls(collective, own[rank : rank + 1], None, own, full)
         cube = full[:, : p * ch].reshape(p, p, ch)
         bound = None
         if collective == "all_reduce":
             bound = np.minimum(piece_arrays(layout)[0], cube.sum(0))
-        return cls(collective, rank, cube[rank], cube[:, rank], bound, full)
+        return cls(collective, cube[rank], cube[:, rank], bound, full)
 
     def summary(self, layout: ChunkLayout, topology: Topology) -> CountSummary:
         """The summary ``auto`` weighs: the table's (:meth:`CountSummary.of`), or under the scalable
@@ -413,37 +412,24 @@ def exchange_scalable(
         return Counts.from_table(request.collective, table, layout, r), device, times
     if request.collective == "all_gather":
         gathered = transport.all_gather_rows(counts.to(device)).cpu().numpy()  # synchronisation 2
-        return Counts(request.collective, r, gathered[r : r + 1], None, gathered), device, times
+        return Counts(request.collective, gathered[r : r + 1], None, gathered), device, times
+    mine = counts.to(device)
     column = torch.empty(p * ch, dtype=torch.int64, device=device)
-    dist.all_to_all_single(column, counts.to(device), group=transport.group)
-    row = counts.cpu().numpy().reshape(p, ch)
-    col = column.cpu().numpy().reshape(p, ch)  # synchronisation 2
+    dist.all_to_all_single(column, mine, group=transport.group)
+    row, col = torch.cat([mine, column]).cpu().numpy().reshape(2, p, ch)  # synchronisation 2 (one copy)
     maxima, bound, sums = owner_terms(row, col, layout, topology, r)
     most_t = torch.tensor(maxima, dtype=torch.int64).to(device)
     sums_t = torch.from_numpy(sums).to(device)
     dist.all_reduce(most_t, op=dist.ReduceOp.MAX, group=transport.group)
     dist.all_reduce(sums_t, op=dist.ReduceOp.SUM, group=transport.group)
-    gathered = None
+    parts = [most_t, sums_t]
     if request.collective == "all_reduce":
-        gathered = transport.all_gather_rows(torch.from_numpy(bound).to(device)).cpu().numpy()
-    maxima = most_t.cpu().numpy()
-    sums = sums_t.cpu().numpy()  # synchronisation 3
-    return (
-        Counts(
-            request.collective,
-            r,
-            row,
-            col,
-            gathered,
-            None,
-            maxima[:2],
-            maxima[2:],
-            sums[:ch],
-            int(sums[ch]),
-        ),
-        device,
-        times,
-    )
+        parts.append(transport.all_gather_rows(torch.from_numpy(bound).to(device)).view(-1))
+    got = torch.cat(parts).cpu().numpy()  # synchronisation 3 (one copy)
+    maxima, sums = got[:4], got[4 : 5 + ch]
+    gathered = got[5 + ch :].reshape(p, ch) if request.collective == "all_reduce" else None
+    counts = Counts(request.collective, row, col, gathered, None, maxima[:2], maxima[2:], sums[:ch], int(sums[ch]))
+    return counts, device, times
 
 
 def exchange_reduced_counts(transport: P2PTransport, counts: torch.Tensor, device: torch.device) -> list[list[int]]:
