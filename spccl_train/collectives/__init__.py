@@ -27,7 +27,7 @@ from .chunking import ChunkLayout, Span
 from .config import DEFAULT_THRESHOLDS, CollectiveConfig, ResolvedThresholds, Thresholds
 from .cost import CodecCost, CostModel, LinkCost
 from .graphs import cached_graphs, clear_graphs, clearing_graphs
-from .plan import Message, Phase, Plan, Route, Step, plan_all_gather, plan_reduce_scatter
+from .plan import Message, Messages, Phase, Plan, Route, Step, plan_all_gather, plan_reduce_scatter
 from .topology import Topology
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "LinkCost",
     "CodecCost",
     "Message",
+    "Messages",
     "Phase",
     "Plan",
     "Route",

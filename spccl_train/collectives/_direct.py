@@ -27,13 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from ..formats import Format
 from ..transport import P2PTransport
 from ._wire import StatusSink, carve, decode, encode
 from .chunking import ChunkLayout
-from .plan import Message, Route, Step
+from .plan import WIRE_FORMATS, Messages, Route, Step
 
 __all__ = ["direct_reduce_scatter", "direct_all_gather", "direct_all_reduce"]
 
@@ -63,13 +64,10 @@ def direct_reduce_scatter(
     rank, p, ch = transport.rank, transport.world, layout.channels
     dtype = x.dtype
     own = layout.chunks[rank]
-    send_waves, recv_waves = _by_wave(step.sent_by(rank), ch), _by_wave(step.received_by(rank), ch)
-    in_splits, out_splits = [[0] * p for _ in range(ch)], [[0] * p for _ in range(ch)]
-    for k in range(ch):
-        for m in send_waves[k]:
-            in_splits[k][m.dst] += m.nbytes
-        for m in recv_waves[k]:
-            out_splits[k][m.src] += m.nbytes
+    sends, receives = step.sent_by(rank), step.received_by(rank)
+    in_splits, out_splits = _splits(sends, "dst", ch, p), _splits(receives, "src", ch, p)
+    send_waves = _waves(sends, ch, "start", "numel", "format", "nbytes")  # dst order: the all-to-all's input
+    recv_waves = _waves(receives, ch, "start", "numel", "format", "nbytes")  # src order: its output
     wide = dtype != torch.float32
     bufs = carve(x.device, [*map(sum, in_splits), *map(sum, out_splits), 4 * own.numel if wide else 0])
     sendbufs, recvbufs, wide_acc = bufs[:ch], bufs[ch : 2 * ch], bufs[-1]
@@ -77,12 +75,13 @@ def direct_reduce_scatter(
     works = []
     for k in range(ch):
         offset = 0
-        for m in send_waves[k]:  # dst order: the all-to-all's input order
-            slot = sendbufs[k][offset : offset + m.nbytes]
-            encode(m, x, m.start, slot)
-            if m.format is Format.PICI:
-                sent[(m.start, m.numel)] = slot
-            offset += m.nbytes
+        for start, numel, code, nbytes in send_waves[k]:
+            slot = sendbufs[k][offset : offset + nbytes]
+            fmt = WIRE_FORMATS[code]
+            encode(fmt, numel, nbytes, x, start, slot)
+            if fmt is Format.PICI:
+                sent[(start, numel)] = slot
+            offset += nbytes
         works.append(transport.all_to_all(recvbufs[k], sendbufs[k], out_splits[k], in_splits[k]))
     target = x[own.start : own.stop] if out is None else out
     if wide:
@@ -96,10 +95,12 @@ def direct_reduce_scatter(
         if work is not None:
             work.wait()
         offset = 0
-        for m in recv_waves[k]:  # src order: the all-to-all's output order
-            slot = recvbufs[k][offset : offset + m.nbytes]
-            decode(m, slot, acc, m.start - own.start, accumulate=True, dtype=dtype, sink=sink)
-            offset += m.nbytes
+        for start, numel, code, nbytes in recv_waves[k]:
+            slot = recvbufs[k][offset : offset + nbytes]
+            decode(
+                WIRE_FORMATS[code], numel, nbytes, slot, acc, start - own.start, accumulate=True, dtype=dtype, sink=sink
+            )
+            offset += nbytes
         if wide:  # piece k is summed: round it once
             piece = layout.pieces[rank][k]
             span = slice(piece.start - own.start, piece.stop - own.start)
@@ -122,7 +123,7 @@ def direct_all_gather(
 ) -> None:
     """Fill every chunk of ``out`` from its owner; this rank's pieces are read from ``own``.
 
-    ``own`` holds piece ``m`` at ``m.start - own_base`` (the all-gather input, or ``out`` itself).
+    ``own`` holds the piece that starts at element ``start`` of ``out`` at ``start - own_base`` (the all-gather input, or ``out`` itself).
     The own chunk of ``out`` is written only by ``copy_own``, which runs once the transfers are
     posted, so on a GPU the copy overlaps them. ``held``: as for :meth:`_Gather.finish`.
     """
@@ -164,9 +165,11 @@ class _Gather:
     ) -> None:
         rank, p, ch = transport.rank, transport.world, layout.channels
         self._transport, self._out, self._own, self._own_base, self._sink = transport, out, own, own_base, sink
-        # one payload for every receiver; each source's pieces in piece order
-        self._mine = _by_wave([m for m in step.messages if m.src == rank and m.dst == (rank + 1) % p], ch)
-        self._theirs = _by_wave(step.received_by(rank), ch)
+        # one payload for every receiver (planned on the messages to the right neighbour)
+        cols = step.messages.columns
+        to_right = step.messages.where((cols["src"] == rank) & (cols["dst"] == (rank + 1) % p))
+        self._mine = _waves(to_right, ch, "start", "numel", "format", "nbytes")
+        self._theirs = _waves(step.received_by(rank), ch, "src", "start", "numel", "format", "nbytes", "nnz_bound")
         self._padded = step.route is Route.ALL_GATHER
         size_of = step.wave_bytes
         self._recv_sizes = [[max(size_of[k]) if self._padded else size_of[k][q] for q in range(p)] for k in range(ch)]
@@ -179,9 +182,10 @@ class _Gather:
         transport, rank, p = self._transport, self._transport.rank, self._transport.world
         sendbuf, recvbuf, sizes = self._sendbufs[k], self._recvbufs[k], self._recv_sizes[k]
         offset = 0
-        for m in self._mine[k]:
-            encode(m, self._own, m.start - self._own_base, sendbuf[offset : offset + m.nbytes])
-            offset += m.nbytes
+        for start, numel, code, nbytes in self._mine[k]:
+            slot = sendbuf[offset : offset + nbytes]
+            encode(WIRE_FORMATS[code], numel, nbytes, self._own, start - self._own_base, slot)
+            offset += nbytes
         if self._padded:
             work = transport.all_gather(recvbuf, sendbuf)
             self._works.append([] if work is None else [work])
@@ -203,26 +207,39 @@ class _Gather:
             for w in waiting:
                 w.wait()
             offsets = _starts(self._recv_sizes[k])
-            for m in self._theirs[k]:
+            for src, start, numel, code, nbytes, bound in self._theirs[k]:
+                patch = held and bound <= patch_bound * numel
                 decode(
-                    m,
-                    self._recvbufs[k][offsets[m.src] : offsets[m.src] + m.nbytes],
+                    WIRE_FORMATS[code],
+                    numel,
+                    nbytes,
+                    self._recvbufs[k][offsets[src] : offsets[src] + nbytes],
                     out,
-                    m.start,
+                    start,
                     accumulate=False,
                     dtype=out.dtype,
                     sink=self._sink,
-                    prior=held.get((m.start, m.numel)) if held and m.nnz_bound <= patch_bound * m.numel else None,
+                    prior=held.get((start, numel)) if patch else None,
                 )
-                offsets[m.src] += m.nbytes
+                offsets[src] += nbytes
 
 
-def _by_wave(messages: list[Message], channels: int) -> list[list[Message]]:
-    """``messages`` split by piece index (wave), each wave in the order given."""
-    waves = [[] for _ in range(channels)]
-    for m in messages:
-        waves[m.piece].append(m)
+def _waves(messages: Messages, channels: int, *names: str) -> list[list[tuple]]:
+    """The named fields of ``messages`` split by piece index (wave), each wave in message order."""
+    piece = messages.columns["piece"]
+    waves = []
+    for k in range(channels):
+        mask = piece == k
+        waves.append(list(zip(*(messages.columns[name][mask].tolist() for name in names))))
     return waves
+
+
+def _splits(messages: Messages, by: str, channels: int, world: int) -> list[list[int]]:
+    """``splits[k][q]``: bytes of wave ``k``'s messages whose field ``by`` is ``q``."""
+    splits = np.zeros((channels, world), dtype=np.int64)
+    cols = messages.columns
+    np.add.at(splits, (cols["piece"], cols[by]), cols["nbytes"])
+    return splits.tolist()
 
 
 def _starts(sizes: list[int]) -> list[int]:

@@ -15,13 +15,15 @@ previous step's works completed.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
+from ..formats import Format
 from ..transport import P2PTransport
 from ._wire import StatusSink, as_bytes, carve, decode, encode
 from .chunking import ChunkLayout
-from .plan import Message, Step
+from .plan import WIRE_FORMATS, Messages, Step
 
 __all__ = ["ring_reduce_scatter", "ring_all_gather"]
 
@@ -38,8 +40,24 @@ def _finish(pending: _Pending | None) -> None:
         then()
 
 
-def _by_piece(messages: list[Message]) -> dict[int, Message]:
-    return {m.piece: m for m in messages}
+class _Hop(NamedTuple):
+    """What a ring executor reads of one message: the peer (receiver of a send, sender of a receive)."""
+
+    peer: int
+    start: int
+    numel: int
+    format: Format
+    nbytes: int
+
+    @property
+    def sparse(self) -> bool:
+        return self.format is not Format.DENSE
+
+
+def _by_piece(messages: Messages, peer: str) -> dict[int, _Hop]:
+    """A step's messages of one rank by piece index (a ring step moves one message per piece)."""
+    piece, peers, start, numel, code, nbytes = messages.lists("piece", peer, "start", "numel", "format", "nbytes")
+    return {k: _Hop(q, s, n, WIRE_FORMATS[c], b) for k, q, s, n, c, b in zip(piece, peers, start, numel, code, nbytes)}
 
 
 def ring_reduce_scatter(
@@ -69,11 +87,11 @@ def ring_reduce_scatter(
     in_place = out is None
     dtype, size = x.dtype, x.element_size()
     own = layout.chunks[rank]
-    sent = [_by_piece(step.sent_by(rank)) for step in steps]
-    received = [_by_piece(step.received_by(rank)) for step in steps]
+    sent = [_by_piece(step.sent_by(rank), "dst") for step in steps]
+    received = [_by_piece(step.received_by(rank), "src") for step in steps]
     last = len(steps) - 1
 
-    def lands_in_target(s: int, m: Message) -> bool:
+    def lands_in_target(s: int, m: _Hop) -> bool:
         # Dense data is received straight into the running sum, then the own contribution added.
         return not m.sparse and not in_place and not (s == last and out_aliases_x)
 
@@ -95,22 +113,22 @@ def ring_reduce_scatter(
         [r.view(dtype) for r in regions[4 * ch : 5 * ch]],
     )
 
-    def target(s: int, m: Message) -> tuple[torch.Tensor, int]:
-        """Where the sum of piece ``m`` received at step ``s`` lives: (tensor, element offset)."""
+    def target(s: int, k: int, m: _Hop) -> tuple[torch.Tensor, int]:
+        """Where the sum of piece ``k`` (message ``m``) received at step ``s`` lives: (tensor, element offset)."""
         if in_place:
             return x, m.start
         if s == last:
             return out, m.start - own.start
-        return acc[s % 2][m.piece], 0
+        return acc[s % 2][k], 0
 
-    def source(s: int, m: Message) -> tuple[torch.Tensor, int]:
-        """What piece ``m`` sent at step ``s`` is read from: the input, or last step's sum."""
+    def source(s: int, k: int, m: _Hop) -> tuple[torch.Tensor, int]:
+        """What piece ``k`` (message ``m``) sent at step ``s`` is read from: the input, or last step's sum."""
         if s == 0 or in_place:
             return x, m.start
-        return acc[(s - 1) % 2][m.piece], 0
+        return acc[(s - 1) % 2][k], 0
 
-    def reducer(s: int, m: Message, buf: torch.Tensor) -> Callable[[], None]:
-        dst, off = target(s, m)
+    def reducer(s: int, k: int, m: _Hop, buf: torch.Tensor) -> Callable[[], None]:
+        dst, off = target(s, k, m)
         n = m.numel
 
         def reduce() -> None:
@@ -119,7 +137,7 @@ def ring_reduce_scatter(
                 return
             if not in_place:
                 dst[off : off + n].copy_(x[m.start : m.start + n])
-            decode(m, buf, dst, off, accumulate=True, dtype=dtype, sink=sink)
+            decode(m.format, n, m.nbytes, buf, dst, off, accumulate=True, dtype=dtype, sink=sink)
 
         return reduce
 
@@ -132,21 +150,21 @@ def ring_reduce_scatter(
             sends, recvs, then = [], [], None
             m = sent[s].get(k)
             if m is not None:
-                src, off = source(s, m)
+                src, off = source(s, k, m)
                 if m.sparse:
-                    encode(m, src, off, sbuf[k])
-                    sends.append((m.dst, sbuf[k][: m.nbytes]))
+                    encode(m.format, m.numel, m.nbytes, src, off, sbuf[k])
+                    sends.append((m.peer, sbuf[k][: m.nbytes]))
                 else:
-                    sends.append((m.dst, as_bytes(src[off : off + m.numel])))
+                    sends.append((m.peer, as_bytes(src[off : off + m.numel])))
             m = received[s].get(k)
             if m is not None:
                 if lands_in_target(s, m):
-                    dst, off = target(s, m)
+                    dst, off = target(s, k, m)
                     buf = as_bytes(dst[off : off + m.numel])
                 else:
                     buf = rbuf[s % 2][k][: m.nbytes]
-                recvs.append((m.src, buf))
-                then = reducer(s, m, buf)
+                recvs.append((m.peer, buf))
+                then = reducer(s, k, m, buf)
             if sends or recvs:
                 pending[k] = (transport.send_recv(sends, recvs), then)
     for k in range(ch):
@@ -166,7 +184,7 @@ def ring_all_gather(
 
     Args:
         out: the flat chunked tensor. Its own chunk is not written here.
-        own: holds this rank's chunk; piece ``m`` is at ``own[m.start - own_base:]`` (the
+        own: holds this rank's chunk; the piece at element ``start`` of ``out`` is at ``own[start - own_base:]`` (the
             all-gather input with ``own_base = chunk start``, or ``out`` itself with 0).
 
     A payload is encoded once, by its owner, and forwarded unchanged; dense pieces are received
@@ -176,8 +194,8 @@ def ring_all_gather(
     if not steps:
         return
     dtype = out.dtype
-    sent = [_by_piece(step.sent_by(rank)) for step in steps]
-    received = [_by_piece(step.received_by(rank)) for step in steps]
+    sent = [_by_piece(step.sent_by(rank), "dst") for step in steps]
+    received = [_by_piece(step.received_by(rank), "src") for step in steps]
     send_slot, recv_slot = [0] * ch, [0] * ch
     for k, m in sent[0].items():
         if m.sparse:
@@ -191,8 +209,8 @@ def ring_all_gather(
     rbuf = (regions[ch : 2 * ch], regions[2 * ch :])
     forward: list[torch.Tensor | None] = [None] * ch
 
-    def decoder(m: Message, buf: torch.Tensor) -> Callable[[], None]:
-        return lambda: decode(m, buf, out, m.start, accumulate=False, dtype=dtype, sink=sink)
+    def decoder(m: _Hop, buf: torch.Tensor) -> Callable[[], None]:
+        return lambda: decode(m.format, m.numel, m.nbytes, buf, out, m.start, accumulate=False, dtype=dtype, sink=sink)
 
     pending: list[_Pending | None] = [None] * ch
     for s in range(len(steps)):
@@ -205,7 +223,7 @@ def ring_all_gather(
                 if s == 0:
                     # step 0: this rank's own chunk, encoded once
                     if m.sparse:
-                        encode(m, own, m.start - own_base, sbuf[k])
+                        encode(m.format, m.numel, m.nbytes, own, m.start - own_base, sbuf[k])
                         payload = sbuf[k][: m.nbytes]
                     else:
                         payload = as_bytes(own[m.start - own_base : m.start - own_base + m.numel])
@@ -214,7 +232,7 @@ def ring_all_gather(
                     payload = forward[k]
                 else:
                     payload = as_bytes(out[m.start : m.start + m.numel])
-                sends.append((m.dst, payload))
+                sends.append((m.peer, payload))
             m = received[s].get(k)
             forward[k] = None
             if m is not None:
@@ -224,7 +242,7 @@ def ring_all_gather(
                     forward[k] = buf
                 else:
                     buf = as_bytes(out[m.start : m.start + m.numel])
-                recvs.append((m.src, buf))
+                recvs.append((m.peer, buf))
             if sends or recvs:
                 pending[k] = (transport.send_recv(sends, recvs), then)
     for k in range(ch):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import Format, align16, compress_into, decompress_into
-from .plan import COO_HEADER_BYTES, Message
+from .plan import COO_HEADER_BYTES
 
 __all__ = ["carve", "encode", "decode", "as_bytes", "StatusSink"]
 
@@ -31,21 +31,24 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8)
 
 
-def encode(m: Message, src: torch.Tensor, offset: int, slot: torch.Tensor) -> None:
-    """Write message ``m`` for ``src[offset : offset + m.numel]`` into ``slot`` (at least ``m.nbytes``)."""
-    if m.format is Format.DENSE:
-        slot[: m.dense_nbytes].view(src.dtype).copy_(src[offset : offset + m.numel])
-    elif m.format is Format.PICI:
-        compress_into(Format.PICI, src, slot[: m.nbytes], offset=offset, n=m.numel, check=False)
+def encode(fmt: Format, numel: int, nbytes: int, src: torch.Tensor, offset: int, slot: torch.Tensor) -> None:
+    """Write a message of ``fmt`` for ``src[offset : offset + numel]`` into ``slot`` (at least
+    ``nbytes``, the message's planned size)."""
+    if fmt is Format.DENSE:
+        slot[: numel * src.element_size()].view(src.dtype).copy_(src[offset : offset + numel])
+    elif fmt is Format.PICI:
+        compress_into(Format.PICI, src, slot[:nbytes], offset=offset, n=numel, check=False)
     else:
-        nnz = compress_into(Format.COO, src, slot[COO_HEADER_BYTES : m.nbytes], offset=offset, n=m.numel, check=False)
+        nnz = compress_into(Format.COO, src, slot[COO_HEADER_BYTES:nbytes], offset=offset, n=numel, check=False)
         header = slot[:COO_HEADER_BYTES].view(torch.int64)
         header[0:1].copy_(nnz)
-        header[1:2].fill_(m.numel)
+        header[1:2].fill_(numel)
 
 
 def decode(
-    m: Message,
+    fmt: Format,
+    numel: int,
+    nbytes: int,
     slot: torch.Tensor,
     dst: torch.Tensor,
     offset: int,
@@ -55,27 +58,28 @@ def decode(
     sink: StatusSink,
     prior: torch.Tensor | None = None,
 ) -> None:
-    """Decode message ``m`` from ``slot`` into ``dst[offset : offset + m.numel]``, overwriting or adding.
+    """Decode a message of ``fmt`` (``numel`` elements, ``nbytes`` planned) from ``slot`` into
+    ``dst[offset : offset + numel]``, overwriting or adding.
 
     ``dtype`` is the element type on the wire; a float32 ``dst`` may accumulate 16-bit messages.
-    ``prior``: a Pici payload of what the range holds, used when ``m`` is Pici and overwrites (a
-    patch: only elements either payload marks are written).
+    ``prior``: a Pici payload of what the range holds, used when the message is Pici and
+    overwrites (a patch: only elements either payload marks are written).
     """
-    if m.format is Format.DENSE:
-        values = slot[: m.dense_nbytes].view(dtype)
-        target = dst[offset : offset + m.numel]
+    if fmt is Format.DENSE:
+        values = slot[: numel * dtype.itemsize].view(dtype)
+        target = dst[offset : offset + numel]
         if accumulate:
             target.add_(values)
         else:
             target.copy_(values)
         return
-    if m.format is Format.PICI:
+    if fmt is Format.PICI:
         status = decompress_into(
             Format.PICI,
-            slot[: m.nbytes],
+            slot[:nbytes],
             dst,
             offset=offset,
-            n=m.numel,
+            n=numel,
             accumulate=accumulate,
             dtype=dtype,
             prior=prior,
@@ -85,10 +89,10 @@ def decode(
         nnz = slot[:8].view(torch.int64)
         status = decompress_into(
             Format.COO,
-            slot[COO_HEADER_BYTES : m.nbytes],
+            slot[COO_HEADER_BYTES:nbytes],
             dst,
             offset=offset,
-            n=m.numel,
+            n=numel,
             nnz=nnz,
             accumulate=accumulate,
             dtype=dtype,

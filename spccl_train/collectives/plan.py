@@ -62,6 +62,7 @@ __all__ = [
     "Phase",
     "Route",
     "Message",
+    "Messages",
     "Step",
     "Plan",
     "message_bytes",
@@ -145,6 +146,94 @@ class Message(NamedTuple):
         return self.format is not Format.DENSE
 
 
+WIRE_FORMATS = (Format.DENSE, Format.PICI, Format.COO)
+"""Wire formats by their code in :attr:`Messages.columns` ``["format"]``."""
+FORMAT_CODE = {fmt: code for code, fmt in enumerate(WIRE_FORMATS)}
+
+
+class Messages:
+    """A step's messages as columns: one numpy array per :class:`Message` field, equally long.
+
+    What a rank plans (:mod:`.rank_plan`) is built as arrays and stays arrays: executors read the
+    columns they need as lists (:meth:`lists`), and no :class:`Message` is made unless someone
+    iterates (the reference planners, the reference cost model, tests, :meth:`Plan.describe`).
+    ``format`` is stored as codes (0 dense, 1 Pici, 2 COO). A sequence of :class:`Message`
+    otherwise: ``len``, iteration, indexing, and equality with any sequence of messages.
+    """
+
+    __slots__ = ("columns", "_lists", "_rows")
+
+    def __init__(self, columns: dict[str, np.ndarray], rows: tuple[Message, ...] | None = None) -> None:
+        self.columns = columns
+        """``columns[field]``: the field of every message, in message order."""
+        self._lists: dict[str, list] = {}
+        self._rows = rows
+
+    @classmethod
+    def of(cls, rows: Sequence[Message]) -> Messages:
+        """Columns from messages (the reference planners' output)."""
+        rows = tuple(rows)
+        fields = list(zip(*rows)) if rows else [()] * len(Message._fields)
+        columns = {}
+        for name, values in zip(Message._fields, fields):
+            if name == "format":
+                values = [FORMAT_CODE[f] for f in values]
+            kind = bool if name in ("nnz_exact", "inter_node") else float if name in ("sparsity", "threshold") else None
+            columns[name] = np.array(values, dtype=kind or np.int64)
+        return cls(columns, rows)
+
+    def __len__(self) -> int:
+        return len(self.columns["src"])
+
+    def __iter__(self) -> Iterator[Message]:
+        return iter(self.rows())
+
+    def __getitem__(self, index):
+        return self.rows()[index]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (Messages, tuple, list)):
+            return self.rows() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.rows())
+
+    def __repr__(self) -> str:
+        return f"Messages({len(self)})"
+
+    def rows(self) -> tuple[Message, ...]:
+        """Every message as a :class:`Message` (made on first use)."""
+        if self._rows is None:
+            names = [n for n in Message._fields if n != "format"]
+            cols = dict(zip(names, self.lists(*names)))
+            cols["format"] = [WIRE_FORMATS[c] for c in self.lists("format")[0]]
+            self._rows = tuple(map(Message._make, zip(*(cols[n] for n in Message._fields))))
+        return self._rows
+
+    def lists(self, *names: str) -> tuple[list, ...]:
+        """The named columns as Python lists (each converted once); ``format`` as codes."""
+        out = []
+        for name in names:
+            values = self._lists.get(name)
+            if values is None:
+                values = self._lists[name] = self.columns[name].tolist()
+            out.append(values)
+        return tuple(out)
+
+    def where(self, mask: np.ndarray) -> Messages:
+        """The messages where ``mask`` holds, in order."""
+        return Messages({name: col[mask] for name, col in self.columns.items()})
+
+    def sent_by(self, rank: int) -> Messages:
+        """The messages ``rank`` sends."""
+        return self.where(self.columns["src"] == rank)
+
+    def received_by(self, rank: int) -> Messages:
+        """The messages ``rank`` receives."""
+        return self.where(self.columns["dst"] == rank)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Step:
     """Messages that move at once: one ring step, or the single exchange of a direct phase."""
@@ -155,8 +244,8 @@ class Step:
     """Step number within its phase."""
     route: Route
     """How the transport moves the messages."""
-    messages: tuple[Message, ...]
-    """Every message of the step, of every rank, in (src, chunk, piece) order."""
+    messages: Messages
+    """Every message of the step (of every rank, or of the plan's rank), in (src, chunk, piece) order."""
     slot_bytes: int = 0
     """Route ``ALL_GATHER`` only: the bytes each rank sends every other rank, its payload of every
     wave padded to the wave's largest (see :attr:`wave_bytes`)."""
@@ -165,13 +254,13 @@ class Step:
     ``k`` (piece ``k`` of its chunk; 0 for an empty piece), what every rank receives from ``q``.
     Wave ``k`` carries piece ``k`` of every chunk."""
 
-    def sent_by(self, rank: int) -> list[Message]:
+    def sent_by(self, rank: int) -> Messages:
         """The messages ``rank`` sends in this step."""
-        return [m for m in self.messages if m.src == rank]
+        return self.messages.sent_by(rank)
 
-    def received_by(self, rank: int) -> list[Message]:
+    def received_by(self, rank: int) -> Messages:
         """The messages ``rank`` receives in this step."""
-        return [m for m in self.messages if m.dst == rank]
+        return self.messages.received_by(rank)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -226,13 +315,13 @@ class Plan:
                 senders = self.world if rank is None else 1
                 total += senders * step.slot_bytes * (self.world - 1)
             else:
-                total += sum(m.nbytes for m in step.messages if rank is None or m.src == rank)
+                total += _column_sum(step.messages, "nbytes", rank)
         return total
 
     def dense_bytes(self, rank: int | None = None) -> int:
         """Bytes the same steps would send with every message dense (``rank`` as for :meth:`bytes_sent`)."""
         rank = self._own(rank)
-        return sum(m.dense_nbytes for m in self.messages() if rank is None or m.src == rank)
+        return sum(_column_sum(step.messages, "dense_nbytes", rank) for step in self.steps)
 
     def _own(self, rank: int | None) -> int | None:
         if self.rank is None or rank in (None, self.rank):
@@ -241,7 +330,12 @@ class Plan:
 
     def format_counts(self, phase: Phase | None = None) -> Counter[Format]:
         """How many messages travel in each format."""
-        return Counter(m.format for m in self.messages(phase))
+        counts: Counter[Format] = Counter()
+        for step in self.steps:
+            if phase is None or step.phase is phase:
+                codes = np.bincount(step.messages.columns["format"], minlength=len(WIRE_FORMATS)).tolist()
+                counts.update({fmt: n for fmt, n in zip(WIRE_FORMATS, codes) if n})
+        return counts
 
     def then(self, other: Plan) -> Plan:
         """This plan followed by ``other``'s steps (an all-reduce: reduce-scatter, then gather)."""
@@ -259,19 +353,26 @@ class Plan:
         lines = [head]
         for step in self.steps:
             sent = step.messages if self.rank is None else step.sent_by(self.rank)
-            formats = Counter(m.format.value for m in sent)
+            codes = np.bincount(sent.columns["format"], minlength=len(WIRE_FORMATS)).tolist()
+            formats = {fmt.value: n for fmt, n in zip(WIRE_FORMATS, codes) if n}
             senders = self.world if self.rank is None else 1
             nbytes = (
-                sum(m.nbytes for m in sent)
+                int(sent.columns["nbytes"].sum())
                 if step.route is not Route.ALL_GATHER
                 else (step.slot_bytes * senders * (self.world - 1))
             )
-            dense = sum(m.dense_nbytes for m in sent)
+            dense = int(sent.columns["dense_nbytes"].sum())
             lines.append(
                 f"  {step.phase.value}[{step.index}] {step.route.value}: "
                 f"{dict(sorted(formats.items()))} {nbytes}/{dense} B"
             )
         return "\n".join(lines)
+
+
+def _column_sum(messages: Messages, name: str, src: int | None) -> int:
+    """The sum of a column over every message (``src``: over those ``src`` sends)."""
+    column = messages.columns[name]
+    return int(column.sum() if src is None else column[messages.columns["src"] == src].sum())
 
 
 def sparsity(numel: int, nnz: int) -> float:
@@ -458,7 +559,7 @@ def _ring_reduce_scatter_steps(counts, layout, sizes, fmt, th, topo) -> tuple[St
                 messages.append(
                     _message(q, dst, c, k, layout, fmt, bound[c][k], exact, sigma[c][k], tau, inter, sizes, False)
                 )
-        steps.append(Step(Phase.REDUCE_SCATTER, s, Route.P2P, tuple(messages)))
+        steps.append(Step(Phase.REDUCE_SCATTER, s, Route.P2P, Messages.of(messages)))
     return tuple(steps)
 
 
@@ -478,7 +579,7 @@ def _direct_reduce_scatter_steps(counts, layout, sizes, fmt, th, topo) -> tuple[
                     messages.append(_message(q, c, c, k, layout, fmt, count, True, sigma, tau, inter, sizes, True))
     if p == 1:
         return ()
-    return (Step(Phase.REDUCE_SCATTER, 0, Route.ALL_TO_ALL, tuple(messages)),)
+    return (Step(Phase.REDUCE_SCATTER, 0, Route.ALL_TO_ALL, Messages.of(messages)),)
 
 
 def plan_all_gather(
@@ -523,7 +624,7 @@ def plan_all_gather(
                         messages.append(
                             _message(q, dst, c, k, layout, fmt, count, measured, sigma, threshold, inter, sizes, False)
                         )
-            steps.append(Step(Phase.ALL_GATHER, s, Route.P2P, tuple(messages)))
+            steps.append(Step(Phase.ALL_GATHER, s, Route.P2P, Messages.of(messages)))
         return Plan(collective, algorithm, fmt, dtype, layout, topology, tuple(steps))
     if algorithm != "direct":
         raise ValueError(f"algorithm={algorithm!r} must be 'ring' or 'direct' to plan")
@@ -550,7 +651,7 @@ def plan_all_gather(
     waves = tuple(map(tuple, by_wave))
     padded = padded_slot(waves, p)
     route = Route.ALL_GATHER if padded else Route.P2P
-    step = Step(Phase.ALL_GATHER, 0, route, tuple(messages), slot_bytes=padded, wave_bytes=waves)
+    step = Step(Phase.ALL_GATHER, 0, route, Messages.of(messages), slot_bytes=padded, wave_bytes=waves)
     return Plan(collective, algorithm, fmt, dtype, layout, topology, (step,))
 
 

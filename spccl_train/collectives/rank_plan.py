@@ -16,7 +16,9 @@ all-gather O(p x ch).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,7 +27,7 @@ from ..formats import Format
 from ..formats.layout import element_size
 from .chunking import ChunkLayout, piece_arrays
 from .config import ResolvedThresholds
-from .plan import Message, Phase, Plan, Route, Step, padded_slot, sparsities, wire_format
+from .plan import FORMAT_CODE, Message, Messages, Phase, Plan, Route, Step, padded_slot, sparsities, wire_format
 from .topology import Topology
 
 __all__ = ["plan_reduce_scatter_for", "plan_direct_reduce_scatter_for", "plan_all_gather_for"]
@@ -51,28 +53,29 @@ def _messages(
     sigma: np.ndarray,
     tau: np.ndarray,
     inter: np.ndarray,
-) -> list[Message]:
+    sized: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+) -> Messages:
     """Messages from equally long arrays of their fields, each format chosen by the planner's rule
-    (:func:`~.plan.choose_format`): sparse when sparser than its threshold and smaller than dense."""
-    sparse, nbytes, dense = _sizes(fmt, dtype, packed, n, bound, sigma, tau)
-    formats = [fmt if s else Format.DENSE for s in sparse.tolist()]
-    fields = (
-        src.tolist(),
-        dst.tolist(),
-        chunk.tolist(),
-        piece.tolist(),
-        start.tolist(),
-        n.tolist(),
-        formats,
-        nbytes.tolist(),
-        bound.tolist(),
-        exact.tolist(),
-        sigma.tolist(),
-        tau.tolist(),
-        inter.tolist(),
-        dense.tolist(),
+    (:func:`~.plan.choose_format`): sparse when sparser than its threshold and smaller than dense.
+    ``sized``: that rule's ``(sparse, nbytes, dense_nbytes)`` of every message, when known."""
+    sparse, nbytes, dense = _sizes(fmt, dtype, packed, n, bound, sigma, tau) if sized is None else sized
+    columns = dict(
+        src=src,
+        dst=dst,
+        chunk=chunk,
+        piece=piece,
+        start=start,
+        numel=n,
+        format=np.where(sparse, FORMAT_CODE[fmt], 0),
+        nbytes=nbytes,
+        nnz_bound=bound,
+        nnz_exact=exact,
+        sparsity=sigma,
+        threshold=tau,
+        inter_node=inter,
+        dense_nbytes=dense,
     )
-    return list(map(Message._make, zip(*fields)))
+    return Messages({name: np.asarray(columns[name]) for name in Message._fields})
 
 
 def _sizes(fmt: Format, dtype: torch.dtype, packed: bool, n, bound, sigma, tau) -> tuple[np.ndarray, ...]:
@@ -134,32 +137,63 @@ def plan_direct_reduce_scatter_for(
     """Rank ``rank``'s direct reduce-scatter from what it holds and what it receives alone:
     ``row[c, k]``, its own count of piece ``k`` of chunk ``c``, and ``column[q, k]``, rank ``q``'s
     count of piece ``k`` of this rank's chunk. O(world x channels)."""
-    n, start = piece_arrays(layout)
-    p, ch = n.shape
-    row = np.asarray(row, dtype=np.int64).reshape(p, ch)
-    column = np.asarray(column, dtype=np.int64).reshape(p, ch)
+    p = layout.world
     if p == 1:
         return Plan(collective, "direct", fmt, dtype, layout, topology, (), rank)
-    th = thresholds
+    geo = _direct_geometry(rank, layout, topology, gather=False)
+    count = np.concatenate([np.ravel(row), np.ravel(column)])[geo.counted]
+    tau = np.where(geo.inter, thresholds.inter, thresholds.intra)
+    sigma = 1.0 - count / geo.n  # sparsities(): every piece here has elements
+    exact = np.ones(len(count), dtype=bool)
+    messages = _messages(
+        fmt, dtype, True, geo.src, geo.dst, geo.chunk, geo.piece, geo.start, geo.n, count, exact, sigma, tau, geo.inter
+    )
+    step = Step(Phase.REDUCE_SCATTER, 0, Route.ALL_TO_ALL, messages)
+    return Plan(collective, "direct", fmt, dtype, layout, topology, (step,), rank)
+
+
+class _Direct(NamedTuple):
+    """What a layout and topology fix of one rank's direct step: its messages' fields other than
+    counts, sizes and formats (read-only arrays, made once per rank, layout, topology and phase)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    chunk: np.ndarray
+    piece: np.ndarray
+    start: np.ndarray
+    n: np.ndarray
+    inter: np.ndarray
+    counted: np.ndarray
+    """Where each message's count is: a reduce-scatter's in ``row.ravel()`` followed by
+    ``column.ravel()``; an all-gather's in the ``[owner, piece]`` table, flattened."""
+
+
+@functools.lru_cache(maxsize=64)
+def _direct_geometry(rank: int, layout: ChunkLayout, topology: Topology, gather: bool) -> _Direct:
+    """A direct step's messages of ``rank``, in the reference's (src, dst, piece) order: from lower
+    ranks to this one, from this rank to every other, from higher ranks to this one. A
+    reduce-scatter message carries the receiver's chunk, an all-gather message the sender's."""
+    n_all, start_all = piece_arrays(layout)
+    p, ch = n_all.shape
     ranks = np.arange(p)
     node = _node(topology, ranks)
-    k = np.arange(ch)
-    # (q, c, k) order: what lower ranks send here, what this rank sends, what higher ranks send here
-    q = np.concatenate([np.repeat(ranks[:rank], ch), np.full((p - 1) * ch, rank), np.repeat(ranks[rank + 1 :], ch)])
     others = np.delete(ranks, rank)
-    c = np.concatenate([np.full(rank * ch, rank), np.repeat(others, ch), np.full((p - 1 - rank) * ch, rank)])
-    piece = np.tile(k, 2 * (p - 1))
-    keep = n[c, piece] > 0
-    q, c, piece = q[keep], c[keep], piece[keep]
-    count = np.where(q == rank, row[c, piece], column[q, piece])
-    inter = node[q] != node[c]
-    tau = np.where(inter, th.inter, th.intra)
-    pn = n[c, piece]
-    sigma = sparsities(pn, count)
-    exact = np.ones(len(q), dtype=bool)
-    messages = _messages(fmt, dtype, True, q, c, c, piece, start[c, piece], pn, count, exact, sigma, tau, inter)
-    step = Step(Phase.REDUCE_SCATTER, 0, Route.ALL_TO_ALL, tuple(messages))
-    return Plan(collective, "direct", fmt, dtype, layout, topology, (step,), rank)
+    src = np.concatenate([np.repeat(ranks[:rank], ch), np.full((p - 1) * ch, rank), np.repeat(ranks[rank + 1 :], ch)])
+    dst = np.concatenate([np.full(rank * ch, rank), np.repeat(others, ch), np.full((p - 1 - rank) * ch, rank)])
+    piece = np.tile(np.arange(ch), 2 * (p - 1))
+    chunk = src if gather else dst
+    keep = n_all[chunk, piece] > 0
+    src, dst, chunk, piece = src[keep], dst[keep], chunk[keep], piece[keep]
+    if gather:
+        counted = chunk * ch + piece
+    else:
+        counted = np.where(src == rank, chunk * ch + piece, p * ch + src * ch + piece)
+    fields = _Direct(
+        src, dst, chunk, piece, start_all[chunk, piece], n_all[chunk, piece], node[src] != node[dst], counted
+    )
+    for a in fields:
+        a.flags.writeable = False
+    return fields
 
 
 def _ring_reduce_scatter(rank, cube, n, start, dtype, fmt, th, topo) -> tuple[Step, ...]:
@@ -209,10 +243,9 @@ def _ring_steps(phase, rank, n, start, node, dtype, fmt, fields, threshold, shif
     messages = _messages(
         fmt, dtype, False, src, dst, c, k, start[c, k], n[c, k], bound, exact, sigma, threshold(inter), inter
     )
-    ends = np.searchsorted(s, np.arange(1, p)).tolist()  # where each step's messages end
+    bounds = [0, *np.searchsorted(s, np.arange(1, p)).tolist()]  # where each step's messages end
     return tuple(
-        Step(phase, step, Route.P2P, tuple(messages[(ends[step - 1] if step else 0) : ends[step]]))
-        for step in range(p - 1)
+        Step(phase, step, Route.P2P, messages.where(slice(bounds[step], bounds[step + 1]))) for step in range(p - 1)
     )
 
 
@@ -257,34 +290,29 @@ def plan_all_gather_for(
         raise ValueError(f"algorithm={algorithm!r} must be 'ring' or 'direct' to plan")
     if p == 1:
         return Plan(collective, algorithm, fmt, dtype, layout, topology, (), rank)
-    # every owner's payload per wave (what its receivers size their buffers by)
-    _, sizes, _ = _sizes(fmt, dtype, True, n, payload, sigma_all, threshold)
-    waves = tuple(tuple(row) for row in np.where(n > 0, sizes, 0).T.tolist())
-    # (c, d, k) order: from lower owners to this rank, from this rank to every other, from higher owners
-    others = np.delete(ranks, rank)
-    src = np.concatenate([np.repeat(ranks[:rank], ch), np.full((p - 1) * ch, rank), np.repeat(ranks[rank + 1 :], ch)])
-    dst = np.concatenate([np.full(rank * ch, rank), np.repeat(others, ch), np.full((p - 1 - rank) * ch, rank)])
-    piece = np.tile(np.arange(ch), 2 * (p - 1))
-    keep = n[src, piece] > 0
-    src, dst, piece = src[keep], dst[keep], piece[keep]
-    inter = node[src] != node[dst]
+    # every owner's payload per wave (what its receivers size their buffers by); a message carries its owner's
+    sparse, sizes, dense = _sizes(fmt, dtype, True, n, payload, sigma_all, threshold)
+    waves = tuple(map(tuple, np.where(n > 0, sizes, 0).T.tolist()))
+    geo = _direct_geometry(rank, layout, topology, gather=True)
+    at = geo.counted
     messages = _messages(
         fmt,
         dtype,
         True,
-        src,
-        dst,
-        src,
-        piece,
-        start[src, piece],
-        n[src, piece],
-        payload[src, piece],
-        np.full(len(src), measured),
-        sigma_all[src, piece],
-        np.full(len(src), threshold),
-        inter,
+        geo.src,
+        geo.dst,
+        geo.chunk,
+        geo.piece,
+        geo.start,
+        geo.n,
+        payload.ravel()[at],
+        np.full(len(at), measured),
+        sigma_all.ravel()[at],
+        np.full(len(at), threshold),
+        geo.inter,
+        sized=(sparse.ravel()[at], sizes.ravel()[at], dense.ravel()[at]),
     )
     padded = padded_slot(waves, p)
     route = Route.ALL_GATHER if padded else Route.P2P
-    step = Step(Phase.ALL_GATHER, 0, route, tuple(messages), slot_bytes=padded, wave_bytes=waves)
+    step = Step(Phase.ALL_GATHER, 0, route, messages, slot_bytes=padded, wave_bytes=waves)
     return Plan(collective, algorithm, fmt, dtype, layout, topology, (step,), rank)
