@@ -33,7 +33,7 @@ from .exchange import Counts
 from .feedback import factor_of
 from .plan import Plan
 from .rank_plan import plan_all_gather_for, plan_direct_reduce_scatter_for, plan_reduce_scatter_for
-from .summary import CountSummary, predict
+from .summary import CountSummary, predict_variants
 from .topology import Topology
 
 __all__ = ["Candidate", "choose", "weigh", "decide", "plan_candidate", "clear_decisions"]
@@ -125,20 +125,20 @@ def weigh(
         formats = [Format.PICI, Format.COO] if config.format == "auto" else [Format(config.format)]
         flat = ["ring", "direct"] if rings else ["direct"]
         flat = flat if config.algorithm == "auto" else [config.algorithm]
-        for fmt in formats:
-            th = config.thresholds.resolve(fmt)
-            for algorithm in flat:
-                if collective != "all_reduce":
-                    got = predict(model, summary, dtype, algorithm, fmt, th, exchanges)
-                    candidates.append((Candidate(algorithm, fmt, got.seconds), got.sparse))
-                    continue
-                best_gather = None
-                for mode in _gather_modes(config.gather_counts, fmt):
-                    got = predict(model, summary, dtype, algorithm, fmt, th, exchanges, mode)
-                    if best_gather is None or got.seconds < best_gather[0].seconds:
-                        best_gather = (got, mode)
-                got, mode = best_gather
-                candidates.append((Candidate(algorithm, fmt, got.seconds, mode), got.sparse))
+        weighed: dict[tuple[Format, str], tuple[Candidate, bool]] = {}
+        for algorithm in flat:  # every format and gather mode of an algorithm weighed at once
+            variants = [
+                (fmt, config.thresholds.resolve(fmt), mode)
+                for fmt in formats
+                for mode in (_gather_modes(config.gather_counts, fmt) if collective == "all_reduce" else ("",))
+            ]
+            for (fmt, _, mode), got in zip(
+                variants, predict_variants(model, summary, dtype, algorithm, variants, exchanges)
+            ):
+                best = weighed.get((fmt, algorithm))
+                if best is None or got.seconds < best[0].predicted_s:  # ties: the first mode ("bound")
+                    weighed[fmt, algorithm] = (Candidate(algorithm, fmt, got.seconds, mode), got.sparse)
+        candidates += [weighed[fmt, algorithm] for fmt in formats for algorithm in flat]
         if (
             collective == "all_reduce"
             and config.algorithm == "auto"
@@ -154,12 +154,18 @@ def weigh(
                 extra = model.planning(collective, layout.numel, dtype, topology.world, 1)
                 fmt = Format.PICI if config.format == "auto" else Format(config.format)
                 candidates.append((Candidate("hierarchical", fmt, predicted + extra), True))
-    if rounds > 1 and exchanges:  # the exchange's rounds beyond the one every prediction counts
-        extra = (rounds - 1) * model.exchange_s
-        candidates = [(dataclasses.replace(c, predicted_s=c.predicted_s + extra), sparse) for c, sparse in candidates]
-    if factors:
+    extra = (rounds - 1) * model.exchange_s if rounds > 1 and exchanges else 0.0  # rounds beyond the one counted
+    if extra or factors:
         candidates = [
-            (dataclasses.replace(c, predicted_s=c.predicted_s * factor_of(factors, c.name)), sparse)
+            (
+                Candidate(
+                    c.algorithm,
+                    c.format,
+                    (c.predicted_s + extra) * (factor_of(factors, c.name) if factors else 1.0),
+                    c.gather_counts,
+                ),
+                sparse,
+            )
             for c, sparse in candidates
         ]
     best = candidates[0][0]

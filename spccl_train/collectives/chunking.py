@@ -110,12 +110,14 @@ class ChunkLayout:
     def of(cls, collective: str, numel: int, world: int, channels: int = 1) -> ChunkLayout:
         """The cut a collective makes: :meth:`aligned` for ``"all_reduce"``, :meth:`equal` for
         ``"reduce_scatter"`` and ``"all_gather"``. ``numel`` is the chunked tensor's size: the
-        all-reduce tensor, the reduce-scatter input, the all-gather output."""
-        if collective == "all_reduce":
-            return cls.aligned(numel, world, channels)
-        if collective in ("reduce_scatter", "all_gather"):
-            return cls.equal(numel, world, channels)
-        raise ValueError(f"collective={collective!r} is not 'all_reduce', 'reduce_scatter' or 'all_gather'")
+        all-reduce tensor, the reduce-scatter input, the all-gather output. Made once per
+        arguments (a layout is immutable), so a call's caches find it by identity."""
+        return _layout_of(cls, collective, numel, world, channels)
+
+    def __hash__(self) -> int:
+        # the fields fix the rest: hashing every span (O(world x channels)) on each cache lookup
+        # would cost more than the lookup saves at a thousand ranks
+        return hash((self.numel, self.world, self.channels, self.chunks[0], self.chunks[-1]))
 
     @classmethod
     def _build(cls, numel: int, world: int, channels: int, chunks: tuple[Span, ...]) -> ChunkLayout:
@@ -125,6 +127,15 @@ class ChunkLayout:
     def piece_numel(self, chunk: int, piece: int) -> int:
         """Elements of piece ``piece`` of chunk ``chunk``."""
         return self.pieces[chunk][piece].numel
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_of(cls: type[ChunkLayout], collective: str, numel: int, world: int, channels: int) -> ChunkLayout:
+    if collective == "all_reduce":
+        return cls.aligned(numel, world, channels)
+    if collective in ("reduce_scatter", "all_gather"):
+        return cls.equal(numel, world, channels)
+    raise ValueError(f"collective={collective!r} is not 'all_reduce', 'reduce_scatter' or 'all_gather'")
 
 
 @functools.lru_cache(maxsize=256)

@@ -41,6 +41,8 @@ import bisect
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -49,10 +51,10 @@ from ..formats import TILE, Format
 from ..formats.layout import element_size
 from .chunking import ChunkLayout, piece_arrays
 from .cost import CostModel
-from .plan import COO_HEADER_BYTES, padded_slot, sparsities, wire_format
+from .plan import COO_HEADER_BYTES, PADDED_GATHER_SLACK, sparsities
 from .topology import Topology
 
-__all__ = ["CountSummary", "Prediction", "predict"]
+__all__ = ["CountSummary", "Prediction", "predict", "predict_variants"]
 
 _INTRA, _INTER = 0, 1
 
@@ -81,6 +83,13 @@ class _Geometry:
     ``q + 1`` and receives from ``q - 1``."""
     peers: np.ndarray
     """``peers[h, q]``: other ranks of hop kind ``h`` from rank ``q``."""
+    elems: np.ndarray
+    """``elems[d, h, q]``: ``sent_elems`` (``d = 0``) and ``recv_elems`` (``d = 1``) stacked; likewise
+    ``msgs``, ``meta``: a direct reduce-scatter's both directions in one array."""
+    msgs: np.ndarray
+    meta: np.ndarray
+    waves: int
+    """Piece indices a chunk has: a direct step's exchanges."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -101,7 +110,22 @@ def _geometry(layout: ChunkLayout, topology: Topology) -> _Geometry:
     ring_pairs = tuple(sorted({(hop[q], hop[q - 1]) for q in range(p)}))
     same = np.array([min(local, p - (q // local) * local) - 1 for q in range(p)], dtype=np.int64)
     peers = np.stack([same, p - 1 - same])
-    return _Geometry(n, sent_elems, sent_msgs, recv_elems, recv_msgs, sent_meta, recv_meta, kinds, ring_pairs, peers)
+    return _Geometry(
+        n,
+        sent_elems,
+        sent_msgs,
+        recv_elems,
+        recv_msgs,
+        sent_meta,
+        recv_meta,
+        kinds,
+        ring_pairs,
+        peers,
+        np.stack([sent_elems, recv_elems]),
+        np.stack([sent_msgs, recv_msgs]),
+        np.stack([sent_meta, recv_meta]),
+        int((n > 0).sum(1).max()) if layout.channels > 1 else 1,
+    )
 
 
 def _by_kind(per_pair: np.ndarray, topology: Topology) -> tuple[np.ndarray, np.ndarray]:
@@ -172,18 +196,19 @@ class CountSummary:
     def rounded(self, steps: int) -> CountSummary:
         """Every count rounded to ``1 / steps`` of an octave of density (empty and full kept exact):
         summaries that round alike are weighed alike (:func:`~.choice.decide` memoises on this)."""
-        geo = _geometry(self.layout, self.topology)
+        rounding = _rounding(self.collective, self.layout, self.topology, steps)
         if self.collective == "all_gather":
-            bound = _round(self.bound, geo.n, steps)
+            bound = rounding.apply(self.bound.ravel()).reshape(self.bound.shape)
             return dataclasses.replace(self, bound=bound, estimate=bound)
+        parts = (self.sent, self.received, self.ring, self.bound, self.estimate, self.held)
+        flat = rounding.apply(np.concatenate([np.ravel(v) for v in parts]))
+        out, at = [], 0
+        for v in parts:
+            out.append(flat[at : at + v.size].reshape(v.shape))
+            at += v.size
+        sent, received, ring, bound, estimate, held = out
         return dataclasses.replace(
-            self,
-            sent=_round(self.sent, geo.sent_elems, steps),
-            received=_round(self.received, geo.recv_elems, steps),
-            ring=_round(self.ring, max(1, self.layout.world - 1) * geo.n.max(0), steps),
-            bound=_round(self.bound, geo.n, steps),
-            estimate=_round(self.estimate, geo.n, steps),
-            held=_round(self.held, _held_elements(self.collective, self.layout), steps),
+            self, sent=sent, received=received, ring=ring, bound=bound, estimate=estimate, held=held
         )
 
     def key(self) -> bytes:
@@ -197,58 +222,100 @@ def _held_elements(collective: str, layout: ChunkLayout) -> int:
     return layout.numel // layout.world if collective == "all_gather" else layout.numel
 
 
-def _round(values: np.ndarray, sizes: object, steps: int) -> np.ndarray:
-    """Each count ``0 < x < n`` (``n`` its size) to ``round(n 2**(-j/steps))`` for the nearest ``j``
-    (``j = round(-steps log2(x / n))``), clamped to ``[1, n - 1]``; empty and full stay exact.
+@functools.lru_cache(maxsize=64)
+def _rounding(collective: str, layout: ChunkLayout, topology: Topology, steps: int) -> _Rounding:
+    """The rounding of a summary's counts, concatenated in :meth:`CountSummary.rounded`'s order:
+    each against the size it is a part of (an all-gather: its ``bound`` only)."""
+    geo = _geometry(layout, topology)
+    if collective == "all_gather":
+        return _Rounding.of(geo.n.ravel(), steps)
+    p = layout.world
+    sizes = (
+        geo.sent_elems,
+        geo.recv_elems,
+        max(1, p - 1) * geo.n.max(0),
+        geo.n,
+        geo.n,
+        np.full(p, _held_elements(collective, layout)),
+    )
+    return _Rounding.of(np.concatenate([np.ravel(n) for n in sizes]), steps)
 
-    Integer-exact: per distinct size, each count's level is found by comparing it with that size's
-    precomputed boundaries (Python floats), so every rank rounds alike whatever its CPU's vector math.
-    """
+
+class _Rounding:
+    """:func:`_round` against fixed sizes, with what depends on the sizes alone made once: each
+    size's boundaries rounded down to integers (``b >= x`` exactly when ``floor(b) >= x``), packed
+    with the size's index into one sorted int64 array, so a call is one ``searchsorted``."""
+
+    __slots__ = ("sizes", "which", "shift", "keys", "starts", "counts", "level_starts", "levels", "tables", "lists")
+
+    @classmethod
+    def of(cls, sizes: np.ndarray, steps: int) -> _Rounding:
+        self = cls()
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        roundable = self.sizes > 1
+        distinct, which = np.unique(np.where(roundable, self.sizes, 2), return_inverse=True)
+        self.which = which.reshape(-1)
+        self.tables = [_levels(size, steps) for size in distinct.tolist()]
+        self.lists = (self.sizes.tolist(), self.which.tolist(), [(f.tolist(), lv.tolist()) for f, lv in self.tables])
+        self.shift = int(distinct[-1]).bit_length() + 1
+        self.counts = np.array([len(f) for f, _ in self.tables])
+        self.starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+        self.level_starts = np.concatenate([[0], np.cumsum(self.counts + 1)[:-1]]).astype(np.int64)
+        self.levels = np.concatenate([lv for _, lv in self.tables])
+        packable = self.shift + len(distinct).bit_length() <= 62
+        self.keys = (
+            np.concatenate([(i << self.shift) + f for i, (f, _) in enumerate(self.tables)]) if packable else None
+        )
+        return self
+
+    def apply(self, values: np.ndarray) -> np.ndarray:
+        """``values`` (int64, one per size) rounded."""
+        values = np.asarray(values, dtype=np.int64)
+        if values.size <= _SMALL:  # a few counts (small groups): numpy's per-call overhead dominates
+            sizes, which, tables = self.lists
+            out = []
+            for x, n, w in zip(values.tolist(), sizes, which):
+                if x <= 0 or x >= n:
+                    out.append(x)
+                else:
+                    floors, levels = tables[w]
+                    out.append(levels[len(floors) - bisect.bisect_left(floors, x)])
+            return np.array(out, dtype=np.int64)
+        out = values.copy()
+        inner = (values > 0) & (values < self.sizes)
+        x, which = values[inner], self.which[inner]
+        if self.keys is None:  # sizes too large to pack: one size at a time
+            for i, (floors, levels) in enumerate(self.tables):
+                mine = which == i
+                x[mine] = levels[len(floors) - np.searchsorted(floors, x[mine], side="left")]
+            out[inner] = x
+            return out
+        below = np.searchsorted(self.keys, (which << self.shift) + x, side="left") - self.starts[which]
+        out[inner] = self.levels[self.level_starts[which] + self.counts[which] - below]
+        return out
+
+
+def _round(values: np.ndarray, sizes: np.ndarray, steps: int) -> np.ndarray:
+    """Each count ``0 < x < n`` (``n`` its size, an equally shaped array) to ``round(n 2**(-j/steps))``
+    for the nearest ``j`` (``j = round(-steps log2(x / n))``), clamped to ``[1, n - 1]``; empty
+    and full stay exact. Integer-exact (:class:`_Rounding`), so every rank rounds alike whatever
+    its CPU's vector math."""
     values = np.asarray(values, dtype=np.int64)
-    if values.size <= _SMALL:  # a few counts (small groups): numpy's per-call overhead dominates
-        flat = values.ravel().tolist()
-        if np.ndim(sizes) == 0:
-            every = [int(sizes)] * len(flat)
-        elif np.shape(sizes) == values.shape:
-            every = np.asarray(sizes).ravel().tolist()
-        else:
-            every = np.broadcast_to(sizes, values.shape).ravel().tolist()
-        out = [x if x <= 0 or x >= n else _level(x, n, steps) for x, n in zip(flat, every)]
-        return np.array(out, dtype=np.int64).reshape(values.shape)
-    sizes = np.broadcast_to(np.asarray(sizes, dtype=np.int64), values.shape)
-    out = values.copy()
-    inner = (values > 0) & (values < sizes)
-    for n in np.unique(sizes[inner]).tolist():
-        where = inner & (sizes == n)
-        ascending, levels = _levels(n, steps)
-        # j = how many boundaries b_k (decreasing in k) are >= x: the nearest level's index
-        out[where] = levels[len(ascending) - np.searchsorted(ascending, values[where], side="left")]
-    return out
+    return _Rounding.of(np.ravel(sizes), steps).apply(values.ravel()).reshape(values.shape)
 
 
 _SMALL = 64
 
 
-def _level(x: int, n: int, steps: int) -> int:
-    """:func:`_round` of one count ``0 < x < n``, by the same boundaries."""
-    ascending, levels = _level_lists(n, steps)
-    return levels[len(ascending) - bisect.bisect_left(ascending, x)]
-
-
-@functools.lru_cache(maxsize=256)
-def _level_lists(n: int, steps: int) -> tuple[list[float], list[int]]:
-    ascending, levels = _levels(n, steps)
-    return ascending.tolist(), levels.tolist()
-
-
 @functools.lru_cache(maxsize=256)
 def _levels(n: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
     """For size ``n``: the boundaries ``n 2**(-(k + 1/2)/steps)`` between levels ``k`` and ``k + 1``,
-    ascending, and each level's count ``round(n 2**(-j/steps))`` clamped to [1, n - 1]."""
+    ascending and rounded down to integers, and each level's count ``round(n 2**(-j/steps))``
+    clamped to [1, n - 1]."""
     top = math.ceil(steps * math.log2(n)) + 2  # levels 0..top cover counts down to 1
-    bounds = np.array([n * 2.0 ** (-(k + 0.5) / steps) for k in range(top)])
+    floors = np.array([math.floor(n * 2.0 ** (-(k + 0.5) / steps)) for k in range(top)], dtype=np.int64)
     levels = np.array([min(n - 1, max(1, round(n * 2.0 ** (-j / steps)))) for j in range(top + 1)], dtype=np.int64)
-    return bounds[::-1].copy(), levels
+    return floors[::-1].copy(), levels
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -274,129 +341,260 @@ def predict(
     ``thresholds``: the format's resolved thresholds. ``gather`` (all-reduce): size the gather
     phase from ``"bound"`` or the ``"measured"`` estimate (which pays a second exchange).
     """
+    return predict_variants(model, summary, dtype, algorithm, [(fmt, thresholds, gather)], exchanges)[0]
+
+
+def predict_variants(
+    model: CostModel,
+    summary: CountSummary,
+    dtype: torch.dtype,
+    algorithm: str,
+    variants: Sequence[tuple[Format, object, str]],
+    exchanges: int,
+) -> list[Prediction]:
+    """:func:`predict` of each ``(format, thresholds, gather)`` variant of one algorithm.
+
+    A direct algorithm weighs every variant in one pass of array operations (a leading axis of
+    variants), each distinct format's reduce-scatter phase once: the cost of a weighing is the
+    numpy calls' overhead, not the O(world x channels) arithmetic. A ring weighs them one by one.
+    """
     collective, layout = summary.collective, summary.layout
     size = element_size(dtype)
-    total = model.planning(collective, layout.numel, dtype, layout.world, exchanges + (gather == "measured"))
     if layout.world == 1:
-        return Prediction(total, False)
-    steps: list[tuple[float, bool]] = []
+        return [
+            Prediction(model.planning(collective, layout.numel, dtype, 1, exchanges + (g == "measured")), False)
+            for _, _, g in variants
+        ]
+    reduce: dict[Format, list[tuple[float, bool]]] = {}
+    gather: list[list[tuple[float, bool]]] = [[] for _ in variants]
+    ring = algorithm == "ring"
     if collective != "all_gather":
-        if algorithm == "ring":
-            steps += _ring_reduce(model, summary, size, fmt, thresholds)
+        distinct = {fmt: th for fmt, th, _ in variants}
+        if ring:
+            steps = _ring_reduce(model, summary, size, list(distinct), list(distinct.values()))
         else:
-            steps.append(_direct_reduce(model, summary, size, fmt, thresholds))
+            steps = [[step] for step in _direct_reduce(model, summary, size, list(distinct), list(distinct.values()))]
+        reduce = dict(zip(distinct, steps))
     if collective != "reduce_scatter":
-        payload = summary.estimate if gather == "measured" else summary.bound
-        if algorithm == "ring":
-            steps += _ring_gather(model, summary, payload, size, fmt, thresholds.ag)
+        payloads = np.stack([summary.estimate if g == "measured" else summary.bound for _, _, g in variants])
+        fmts, taus = [f for f, _, _ in variants], [th.ag for _, th, _ in variants]
+        if ring:
+            gather = _ring_gather(model, summary, payloads, size, fmts, taus)
         else:
-            steps.append(_direct_gather(model, summary, payload, size, fmt, thresholds.ag))
-    seconds = math.fsum([total, *(model.step_s + t for t, _ in steps)])
-    return Prediction(seconds, any(sparse for _, sparse in steps))
+            gather = [[step] for step in _direct_gather(model, summary, payloads, size, fmts, taus)]
+    out = []
+    for (fmt, _, mode), gathered in zip(variants, gather):
+        total = model.planning(collective, layout.numel, dtype, layout.world, exchanges + (mode == "measured"))
+        steps = reduce.get(fmt, []) + gathered
+        seconds = math.fsum([total, *(model.step_s + t for t, _ in steps)])
+        out.append(Prediction(seconds, any(sparse for _, sparse in steps)))
+    return out
 
 
-def _codec_seconds(codec, sparse, calls, dense_bytes, rate: str, dense_rate: float):
-    """Seconds of pieces' codec work: ``calls`` calls and ``dense_bytes`` at ``codec``'s ``rate``
-    where ``sparse``, else ``dense_bytes`` at ``dense_rate`` (``math.inf``: free); no codec (a
-    dense format): all at ``dense_rate``."""
-    if codec is None:
-        return dense_bytes / dense_rate
-    return np.where(sparse, calls * codec.call_s + dense_bytes / getattr(codec, rate), dense_bytes / dense_rate)
+_TERMS: dict[tuple, tuple] = {}
+_MAX_TERMS = 256
 
 
-def _direct_reduce(model: CostModel, s: CountSummary, size: int, fmt: Format, th) -> tuple[float, bool]:
+def _terms(make, geo: _Geometry, model: CostModel, *key):
+    """``make(geo, model, *key)``, the arrays a weighing needs that depend on the layout, topology,
+    model and ``key`` alone, made once: a weighing's per-call work is then the data-dependent part."""
+    full = (make, id(geo), id(model), *key)
+    hit = _TERMS.get(full)
+    if hit is None or hit[0] is not geo or hit[1] is not model:  # ids of live objects only
+        if len(_TERMS) >= _MAX_TERMS:
+            _TERMS.clear()  # a pure memo
+        hit = _TERMS[full] = (geo, model, make(geo, model, *key))
+    return hit[2]
+
+
+def _codec_rates(model: CostModel, fmts: Sequence[Format], rate: str, axes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per format, its codec's call cost and ``rate``, shaped ``[F, 1, ...]`` with ``axes`` trailing
+    axes (a dense format's are unread: it never encodes)."""
+    codecs = [model.codec(Format.PICI if f is Format.DENSE else f) for f in fmts]
+    shape = (len(fmts),) + (1,) * axes
+    calls = np.array([c.call_s for c in codecs]).reshape(shape)
+    rates = np.array([getattr(c, rate) for c in codecs]).reshape(shape)
+    return calls, rates
+
+
+class _ReduceTerms(NamedTuple):
+    some: np.ndarray
+    per: np.ndarray
+    elems: np.ndarray
+    """At least 1 (a sparsity's divisor)."""
+    dense_bytes: np.ndarray
+    tau: np.ndarray
+    sends: np.ndarray
+    bandwidth: np.ndarray
+    encode: tuple[np.ndarray, np.ndarray]
+    """Seconds of encoding what a rank sends per hop kind: sparse (per format), dense."""
+    decode: tuple[np.ndarray, np.ndarray]
+    latency: np.ndarray
+    coo: tuple[bool, ...]
+
+
+def _reduce_terms(geo: _Geometry, model: CostModel, size: int, fmts: tuple, taus: tuple) -> _ReduceTerms:
+    f = len(fmts)
+    msgs = geo.msgs
+    dense_bytes = geo.elems * size
+    links = (model.intra, model.inter)
+    calls, compress = _codec_rates(model, fmts, "compress", 2)
+    _, accumulate = _codec_rates(model, fmts, "accumulate", 2)
+    latency = np.array([geo.waves * link.latency_s for link in links])[:, None]
+    return _ReduceTerms(
+        some=msgs > 0,
+        per=np.maximum(msgs, 1),
+        elems=np.maximum(geo.elems, 1),
+        dense_bytes=dense_bytes,
+        tau=np.array(taus).reshape(f, 1, 2, 1),
+        sends=np.array([fmt is not Format.DENSE for fmt in fmts]).reshape(f, 1, 1, 1),
+        bandwidth=np.array([link.grouped_bandwidth for link in links])[:, None],
+        encode=(msgs[0] * calls + dense_bytes[0] / compress, dense_bytes[0] / model.copy),
+        decode=(msgs[1] * calls + dense_bytes[1] / accumulate, dense_bytes[1] / model.reduce),
+        latency=np.where(msgs[0] > 0, latency, 0.0).max(0),
+        coo=tuple(fmt is Format.COO for fmt in fmts),
+    )
+
+
+def _direct_reduce(
+    model: CostModel, s: CountSummary, size: int, fmts: Sequence[Format], ths: Sequence
+) -> list[tuple[float, bool]]:
     """One all-to-all: each rank encodes what it sends, puts the larger of its outgoing and incoming
-    bytes on the wire, one latency per wave, and accumulates what it receives; the slowest rank sets it."""
-    geo = _geometry(s.layout, s.topology)
-    p = s.layout.world
-    codec = model.codec(fmt) if fmt is not Format.DENSE else None
-    encode = np.zeros(p)
-    decode = np.zeros(p)
-    out_wire = np.zeros(p)
-    in_wire = np.zeros(p)
-    latency = np.zeros(p)
-    any_sparse = False
-    for h in (_INTRA, _INTER):
-        link = model.link(h == _INTER)
-        tau = th.inter if h == _INTER else th.intra
-        for nnz, elems, msgs, meta, outgoing in (
-            (s.sent[h], geo.sent_elems[h], geo.sent_msgs[h], geo.sent_meta[h], True),
-            (s.received[h], geo.recv_elems[h], geo.recv_msgs[h], geo.recv_meta[h], False),
-        ):
-            some = msgs > 0
-            if not some.any():
-                continue
-            per = np.maximum(msgs, 1)
-            dense_bytes = elems * size
-            # the messages' payloads summed (affine in nnz: exact for Pici), as if equally dense
-            if fmt is Format.PICI:
-                payload = meta + nnz * size
-            else:
-                payload = msgs * (COO_HEADER_BYTES + _align16(np.ceil(4 * nnz / per).astype(np.int64))) + nnz * size
-            sparse = some & (fmt is not Format.DENSE) & (sparsities(elems, nnz) > tau) & (payload < dense_bytes)
-            any_sparse = any_sparse or bool(sparse.any())
-            nbytes = np.where(sparse, payload, dense_bytes) / per
-            wire = msgs * _align16(np.ceil(nbytes).astype(np.int64)) / link.grouped_bandwidth
-            if outgoing:
-                out_wire += wire
-                encode += _codec_seconds(codec, sparse, msgs, dense_bytes, "compress", model.copy)
-                waves = (geo.n > 0).sum(1).max() if s.layout.channels > 1 else 1
-                latency = np.maximum(latency, np.where(some, waves * link.latency_s, 0.0))
-            else:
-                in_wire += wire
-                decode += _codec_seconds(codec, sparse, msgs, dense_bytes, "accumulate", model.reduce)
-    return float((encode + np.maximum(out_wire, in_wire) + latency + decode).max()), any_sparse
+    bytes on the wire, one latency per wave, and accumulates what it receives; the slowest rank sets it.
 
-
-def _direct_gather(model: CostModel, s: CountSummary, payload: np.ndarray, size: int, fmt: Format, tau: float):
-    """One all-gather of every owner's payload (padded to the largest of each wave when that costs
-    at most ``PADDED_GATHER_SLACK`` more, as the planner does); exact."""
+    Arrays ``[f, d, h, q]``: format, direction (0: what rank ``q`` sends, 1: what it receives),
+    hop kind, rank."""
     geo = _geometry(s.layout, s.topology)
-    p = s.layout.world
-    n = geo.n
-    sigma = sparsities(n, payload)
-    sparse, nbytes = wire_format(fmt, n, payload, sigma, tau, size)
-    nbytes = np.where(n > 0, _align16(nbytes), 0)  # [c, k]: packed
-    dense_bytes = n * size
-    codec = model.codec(fmt) if fmt is not Format.DENSE else None
-    enc = _codec_seconds(codec, sparse, 1, dense_bytes, "compress", model.copy)
-    dec = _codec_seconds(codec, sparse, 1, dense_bytes, "decompress", model.copy)
-    enc, dec = np.where(n > 0, enc, 0.0).sum(1), np.where(n > 0, dec, 0.0).sum(1)
-    decode = dec.sum() - dec  # every other owner's payload
-    slot = padded_slot(nbytes.T.tolist(), p)
-    bw = [model.link(h == _INTER).grouped_bandwidth for h in (_INTRA, _INTER)]
-    if slot:
-        per_peer = np.full(p, slot)
-        out_wire = per_peer * (geo.peers[_INTRA] / bw[_INTRA] + geo.peers[_INTER] / bw[_INTER])
-        in_wire = out_wire
+    t = _terms(_reduce_terms, geo, model, size, tuple(fmts), tuple((th.intra, th.inter) for th in ths))
+    nnz = np.stack([s.sent, s.received])  # [d, h, q]
+    # the messages' payloads summed (affine in nnz: exact for Pici), as if equally dense
+    pici = geo.meta + nnz * size
+    if any(t.coo):
+        chunked = _align16(np.ceil(4 * nnz / t.per).astype(np.int64))
+        coo = geo.msgs * (COO_HEADER_BYTES + chunked) + nnz * size
+        payload = np.stack([coo if is_coo else pici for is_coo in t.coo])
     else:
-        mine = nbytes.sum(1)
-        out_wire = mine * (geo.peers[_INTRA] / bw[_INTRA] + geo.peers[_INTER] / bw[_INTER])
-        in_wire = _from_others(mine / bw[_INTRA], mine / bw[_INTER], s.topology)
+        payload = pici[None]
+    sigma = 1.0 - nnz / t.elems  # sparsities(): 1.0 where a rank has nothing of that kind
+    sparse = t.some & t.sends & (sigma > t.tau) & (payload < t.dense_bytes)  # [f, d, h, q]
+    nbytes = np.where(sparse, payload, t.dense_bytes) / t.per
+    wire = (geo.msgs * _align16(np.ceil(nbytes).astype(np.int64)) / t.bandwidth).sum(-2)  # [f, d, q]
+    encode = np.where(sparse[:, 0], *t.encode).sum(-2)
+    decode = np.where(sparse[:, 1], *t.decode).sum(-2)
+    busy = encode + np.maximum(wire[:, 0], wire[:, 1]) + t.latency + decode
+    return list(zip(busy.max(-1).tolist(), sparse.any((1, 2, 3)).tolist()))
+
+
+class _GatherTerms(NamedTuple):
+    has: np.ndarray
+    n: np.ndarray
+    """At least 1 (a sparsity's divisor)."""
+    dense_bytes: np.ndarray
+    sends: np.ndarray
+    tau: np.ndarray
+    base: np.ndarray
+    """``[v, c, k]``: a payload's bytes besides its values and (COO) indices: Pici metadata or the COO header."""
+    coo: np.ndarray
+    encode: tuple[np.ndarray, np.ndarray]
+    """Seconds of encoding each piece (0 for empty ones): sparse (per variant), dense."""
+    decode: tuple[np.ndarray, np.ndarray]
+    reach: np.ndarray
+    bandwidth: tuple[float, float]
+    latency: float
+
+
+def _gather_terms(geo: _Geometry, model: CostModel, size: int, fmts: tuple, taus: tuple) -> _GatherTerms:
+    v = len(fmts)
+    n = geo.n
+    has = n > 0
+    dense_bytes = n * size
+    sends, coo, base = _format_terms(fmts, n)
+    calls, compress = _codec_rates(model, fmts, "compress", 2)
+    _, decompress = _codec_rates(model, fmts, "decompress", 2)
+    copy = np.where(has, dense_bytes / model.copy, 0.0)
+    bw = tuple(model.link(h == _INTER).grouped_bandwidth for h in (_INTRA, _INTER))
     waves = int((n.max(0) > 0).sum())  # piece indices that carry messages: one exchange each
     kinds = [h for h in (_INTRA, _INTER) if geo.peers[h].max() > 0]
     slowest = max((model.link(h == _INTER).latency_s for h in kinds), default=0.0)
-    latency = waves * slowest
-    return float((enc + np.maximum(out_wire, in_wire) + latency + decode).max()), bool(sparse.any())
+    return _GatherTerms(
+        has=has,
+        n=np.maximum(n, 1),
+        dense_bytes=dense_bytes,
+        sends=sends,
+        tau=np.array(taus).reshape(v, 1, 1),
+        base=base,
+        coo=coo,
+        encode=(np.where(has, calls + dense_bytes / compress, 0.0), copy),
+        decode=(np.where(has, calls + dense_bytes / decompress, 0.0), copy),
+        reach=geo.peers[_INTRA] / bw[_INTRA] + geo.peers[_INTER] / bw[_INTER],
+        bandwidth=bw,
+        latency=waves * slowest,
+    )
+
+
+def _direct_gather(
+    model: CostModel, s: CountSummary, payloads: np.ndarray, size: int, fmts: Sequence[Format], taus: Sequence[float]
+) -> list[tuple[float, bool]]:
+    """One all-gather of every owner's payload (padded to the largest of each wave when that costs
+    at most ``PADDED_GATHER_SLACK`` more, as the planner does); exact. ``payloads[v, c, k]``: the
+    nonzeros piece ``k`` of chunk ``c`` is sized for in variant ``v``, sent in format ``fmts[v]``
+    with all-gather threshold ``taus[v]``: every variant weighed at once."""
+    geo = _geometry(s.layout, s.topology)
+    t = _terms(_gather_terms, geo, model, size, tuple(fmts), tuple(taus))
+    p = s.layout.world
+    sigma = 1.0 - payloads / t.n  # sparsities(): empty pieces are never sent
+    payload = t.base + payloads * size + t.coo * _align16(4 * payloads)  # wire_format's, per format
+    sparse = t.has & t.sends & (sigma > t.tau) & (payload < t.dense_bytes)
+    nbytes = np.where(t.has, _align16(np.where(sparse, payload, t.dense_bytes)), 0)  # [v, c, k]: packed
+    enc = np.where(sparse, *t.encode).sum(-1)  # [v, c]
+    dec = np.where(sparse, *t.decode).sum(-1)
+    decode = dec.sum(-1, keepdims=True) - dec  # every other owner's payload
+    # padded_slot of each variant: its waves padded to their largest payload, if cheap enough
+    padded = nbytes.max(-2).sum(-1)  # [v]
+    slot = np.where((padded > 0) & (p * padded <= PADDED_GATHER_SLACK * nbytes.sum((-2, -1))), padded, 0)[:, None]
+    mine = nbytes.sum(-1)  # [v, c]
+    padded_wire = slot * t.reach
+    out_wire = np.where(slot > 0, padded_wire, mine * t.reach)
+    intra, inter = t.bandwidth
+    in_wire = np.where(slot > 0, padded_wire, _from_others(mine / intra, mine / inter, s.topology))
+    busy = (enc + np.maximum(out_wire, in_wire) + t.latency + decode).max(-1)
+    return list(zip(busy.tolist(), sparse.any((-2, -1)).tolist()))
 
 
 def _from_others(intra: np.ndarray, inter: np.ndarray, topology: Topology) -> np.ndarray:
-    """Per rank ``d``: the sum over the other ranks ``c`` of ``intra[c]`` (same node) or ``inter[c]``."""
-    p = len(intra)
+    """Per rank ``d`` (the last axis): the sum over the other ranks ``c`` of ``intra[c]`` (same node)
+    or ``inter[c]``."""
+    p = intra.shape[-1]
     rpn = topology.ranks_per_node
     if rpn is None or rpn >= p:
-        return intra.sum() - intra
+        return intra.sum(-1, keepdims=True) - intra
     node = np.arange(p) // rpn
-    intra_node = np.add.reduceat(intra, np.arange(0, p, rpn))[node]
-    inter_node = np.add.reduceat(inter, np.arange(0, p, rpn))[node]
-    return (intra_node - intra) + (inter.sum() - inter_node)
+    intra_node = np.add.reduceat(intra, np.arange(0, p, rpn), axis=-1)[..., node]
+    inter_node = np.add.reduceat(inter, np.arange(0, p, rpn), axis=-1)[..., node]
+    return (intra_node - intra) + (inter.sum(-1, keepdims=True) - inter_node)
 
 
-def _ring_reduce(model: CostModel, s: CountSummary, size: int, fmt: Format, th) -> list[tuple[float, bool]]:
-    """``world - 1`` steps; step ``t`` sends the densest chunk's running sum of ``t + 1`` contributions."""
+def _format_terms(fmts: Sequence[Format], n: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per format (a leading axis): whether it sends sparse, whether it is COO, and a payload's bytes
+    besides its values and COO indices (Pici metadata, or the COO header), for pieces of ``n``."""
+    f = len(fmts)
+    shape = (f,) + (1,) * n.ndim
+    tiles = -(-n // TILE)
+    coo = np.array([fmt is Format.COO for fmt in fmts]).reshape(shape)
+    sends = np.array([fmt is not Format.DENSE for fmt in fmts]).reshape(shape)
+    base = np.where(coo, COO_HEADER_BYTES, 512 * tiles + _align16(4 * (tiles + 1)))
+    return sends, coo.astype(np.int64), base
+
+
+def _ring_reduce(
+    model: CostModel, s: CountSummary, size: int, fmts: Sequence[Format], ths: Sequence
+) -> list[list[tuple[float, bool]]]:
+    """``world - 1`` steps per format; step ``t`` sends the densest chunk's running sum of ``t + 1``
+    contributions. Arrays ``[f, t, k]``: format, step, piece index."""
     geo = _geometry(s.layout, s.topology)
     p = s.layout.world
     n = geo.n.max(0)  # [k]: the largest piece of each index
+    has = n > 0
     mean = s.ring / (p - 1)  # [k]: the densest chunk's mean contribution
     t = np.arange(1, p)[:, None]  # contributions summed at each step
     bound = np.minimum(n, t * mean)  # [t, k]
@@ -404,39 +602,49 @@ def _ring_reduce(model: CostModel, s: CountSummary, size: int, fmt: Format, th) 
     # whose last bit depends on the CPU's vector extensions)
     sigma = np.cumprod(np.broadcast_to(sparsities(n, mean), (p - 1, len(n))), axis=0)
     dense_bytes = n * size
-    codec = model.codec(fmt) if fmt is not Format.DENSE else None
-    send, recv = {}, {}
-    any_sparse = False
+    sends, coo, base = _format_terms(fmts, n[None, :])
+    payload = base + coo * _align16(4 * np.ceil(bound).astype(np.int64)) + bound * size  # wire_format's
+    calls, compress = _codec_rates(model, fmts, "compress", 2)
+    _, accumulate = _codec_rates(model, fmts, "accumulate", 2)
+    send, recv, any_sparse = {}, {}, np.zeros(len(fmts), dtype=bool)
     for h in geo.kinds:
         link = model.link(h == _INTER)
-        sparse, nbytes = wire_format(
-            fmt, np.broadcast_to(n, bound.shape), bound, sigma, th.inter if h else th.intra, size
-        )
-        sparse &= n > 0
-        any_sparse = any_sparse or bool(sparse.any())
-        wire = np.where(n > 0, link.latency_s + np.ceil(nbytes) / link.bandwidth, 0.0)
-        enc = _codec_seconds(codec, sparse, 1, dense_bytes, "compress", math.inf)  # dense: sent as it is
-        dec = np.broadcast_to(_codec_seconds(codec, sparse, 1, dense_bytes, "accumulate", model.reduce), bound.shape)
-        send[h], recv[h] = (wire + enc).sum(1), np.where(n > 0, dec, 0.0).sum(1)
-    busy = np.max([send[out] + recv[into] for out, into in geo.ring_pairs], axis=0)
-    return [(float(x), any_sparse) for x in busy]
+        tau = np.array([th.inter if h else th.intra for th in ths]).reshape(-1, 1, 1)
+        sparse = has & sends & (sigma > tau) & (payload < dense_bytes)
+        any_sparse |= sparse.any((1, 2))
+        nbytes = np.where(sparse, payload, dense_bytes)
+        wire = np.where(has, link.latency_s + np.ceil(nbytes) / link.bandwidth, 0.0)
+        enc = np.where(sparse, calls + dense_bytes / compress, 0.0)  # dense: sent as it is
+        dec = np.where(sparse, calls + dense_bytes / accumulate, dense_bytes / model.reduce)
+        send[h], recv[h] = (wire + enc).sum(-1), np.where(has, dec, 0.0).sum(-1)
+    busy = np.max([send[out] + recv[into] for out, into in geo.ring_pairs], axis=0)  # [f, t]
+    return [[(x, sp) for x in row] for row, sp in zip(busy.tolist(), any_sparse.tolist())]
 
 
-def _ring_gather(model: CostModel, s: CountSummary, payload: np.ndarray, size: int, fmt: Format, tau: float):
-    """``world - 1`` steps forwarding every payload unchanged (encoded at the first, decoded on arrival)."""
+def _ring_gather(
+    model: CostModel, s: CountSummary, payloads: np.ndarray, size: int, fmts: Sequence[Format], taus: Sequence[float]
+) -> list[list[tuple[float, bool]]]:
+    """``world - 1`` steps forwarding every payload unchanged (encoded at the first, decoded on
+    arrival), per variant: ``payloads[v, c, k]`` sent in ``fmts[v]`` at threshold ``taus[v]``."""
     geo = _geometry(s.layout, s.topology)
     p = s.layout.world
     n = geo.n
-    sigma = sparsities(n, payload)
-    sparse, nbytes = wire_format(fmt, n, payload, sigma, tau, size)
-    sparse &= n > 0
+    has = n > 0
+    sigma = sparsities(n, payloads)
     dense_bytes = n * size
-    codec = model.codec(fmt) if fmt is not Format.DENSE else None
-    enc = _codec_seconds(codec, sparse, 1, dense_bytes, "compress", math.inf)  # dense: forwarded as it is
-    dec = _codec_seconds(codec, sparse, 1, dense_bytes, "decompress", math.inf)
+    sends, coo, base = _format_terms(fmts, n)
+    payload = base + coo * _align16(4 * payloads) + payloads * size  # wire_format's
+    sparse = has & sends & (sigma > np.reshape(taus, (-1, 1, 1))) & (payload < dense_bytes)
+    nbytes = np.where(sparse, payload, dense_bytes)
+    calls, compress = _codec_rates(model, fmts, "compress", 2)
+    _, decompress = _codec_rates(model, fmts, "decompress", 2)
+    enc = np.where(sparse, calls + dense_bytes / compress, 0.0)  # dense: forwarded as it is
+    dec = np.where(sparse, calls + dense_bytes / decompress, 0.0).sum(-1).max(-1)
     link = model.link(_INTER in geo.kinds)
-    wire = np.where(n > 0, link.latency_s + nbytes / link.bandwidth, 0.0)
-    first = float((wire + enc).sum(1).max() + dec.sum(1).max())
-    later = float(wire.sum(1).max() + dec.sum(1).max())
-    any_sparse = bool(sparse.any())
-    return [(first, any_sparse)] + [(later, any_sparse)] * (p - 2)
+    wire = np.where(has, link.latency_s + nbytes / link.bandwidth, 0.0)
+    first = (wire + enc).sum(-1).max(-1) + dec
+    later = wire.sum(-1).max(-1) + dec
+    return [
+        [(a, sp)] + [(b, sp)] * (p - 2)
+        for a, b, sp in zip(first.tolist(), later.tolist(), sparse.any((-2, -1)).tolist())
+    ]
