@@ -14,8 +14,13 @@ with ``--ranks-per-node``, per world size and channel count:
   round the summary, weigh every candidate from it, pick;
 - ``decide_memo_ms``: the same profile again (summarise, round, look the decision up);
 - ``plan_ms``: rank 0's plan of the chosen candidate (if native, of direct Pici) from the exact
-  counts: its own messages, both phases (the gather phase sized from the bounds);
+  counts: its own messages, both phases (the gather phase sized from the bounds), as columns;
 - ``total_new_ms`` / ``total_memo_ms``: planning and choice per rank per call, ``decide + plan``;
+- ``total_new_default_group_ms``: the same for a new profile on the default group of several
+  nodes, where ``auto`` also weighs the hierarchical all-reduce (three sub-calls, each weighed);
+- ``reads_ms``: what rank 0's executors read of the plan before launching anything (split sizes,
+  and each message's fields as lists): not planning, but per-call host work that grows with the
+  ranks (the executors then launch a codec call per message);
 - ``protocol``, ``exchange_bytes``: the count exchange of a group of that size
   (:func:`~spccl_train.collectives.exchange.protocol`) and what it delivers to each rank;
   ``table_bytes``: what the table protocol would (``world`` rows of ``11 + world * channels`` int64).
@@ -59,7 +64,7 @@ import numpy as np
 import torch
 
 from spccl_train._provenance import git_commit
-from spccl_train.collectives import CollectiveConfig, CostModel, LinkCost, Topology
+from spccl_train.collectives import CollectiveConfig, CostModel, LinkCost, Topology, _direct, _ring, hierarchical
 from spccl_train.collectives.choice import Candidate, clear_decisions, decide, plan_candidate
 from spccl_train.collectives.chunking import ChunkLayout
 from spccl_train.collectives.exchange import Counts, exchange_bytes, exchange_rounds, owner_terms, protocol
@@ -137,6 +142,28 @@ def _plan(candidate: Candidate, config: CollectiveConfig, counts: Counts, layout
     return scatter.then(gather)
 
 
+def _reads(plan) -> None:
+    """What rank 0's executors read of its plan before they launch anything: a direct plan's split
+    sizes and per-wave fields, a ring's messages per step and piece (lists of the columns)."""
+    p, ch = plan.world, plan.layout.channels
+    if plan.algorithm == "direct":
+        scatter, gather = plan.steps
+        messages = scatter.messages
+        sends, receives = messages.columns["src"] == 0, messages.columns["dst"] == 0
+        _direct._splits(messages, sends, "dst", ch, p), _direct._splits(messages, receives, "src", ch, p)
+        _direct._waves(messages, sends, ch, "start", "numel", "format", "nbytes")
+        _direct._waves(messages, receives, ch, "start", "numel", "format", "nbytes")
+        messages = gather.messages
+        to_right = (messages.columns["src"] == 0) & (messages.columns["dst"] == 1 % p)
+        _direct._waves(messages, to_right, ch, "start", "numel", "format", "nbytes")
+        _direct._waves(
+            messages, messages.columns["dst"] == 0, ch, "src", "start", "numel", "format", "nbytes", "nnz_bound"
+        )
+    else:
+        for step in plan.steps:
+            _ring._by_piece(step.messages, 0, "dst"), _ring._by_piece(step.messages, 0, "src")
+
+
 def planning_rows(args: argparse.Namespace) -> list[dict]:
     rows = []
     numel = args.size // 4
@@ -183,6 +210,10 @@ def planning_rows(args: argparse.Namespace) -> list[dict]:
             def choose_memo():
                 return decide(config, key, summarise(), torch.float32, model, 1, None, False, rounds, rings)
 
+            def choose_new_default_group():  # a call on the default group also weighs the hierarchical one
+                clear_decisions()
+                return decide(config, key, summarise(), torch.float32, model, 1, None, True, rounds, rings)
+
             choice, weighed = choose_new()
             counts = receive()
             repeats = args.repeats
@@ -191,8 +222,13 @@ def planning_rows(args: argparse.Namespace) -> list[dict]:
             row["decide_memo_ms"] = 1e3 * _time(choose_memo, repeats)
             sparse = next(c for c in (choice, Candidate("direct", Format.PICI, 0.0)) if c.algorithm != "native")
             row["plan_ms"] = 1e3 * _time(lambda: _plan(sparse, config, counts, layout, topology), repeats)
+            planned = _plan(sparse, config, counts, layout, topology)
+            row["reads_ms"] = 1e3 * _time(lambda: _reads(planned), repeats)
             row["total_new_ms"] = row["decide_new_ms"] + row["plan_ms"]
             row["total_memo_ms"] = row["decide_memo_ms"] + row["plan_ms"]
+            if hierarchical.applies(topology):
+                row["decide_new_default_group_ms"] = 1e3 * _time(choose_new_default_group, repeats)
+                row["total_new_default_group_ms"] = row["decide_new_default_group_ms"] + row["plan_ms"]
             row["chosen"] = f"{choice.algorithm}/{choice.format.value}"
             row["planned"] = sparse.name
             row["candidates"] = len(weighed)
@@ -207,7 +243,8 @@ def _line(row: dict) -> str:
 
     return (
         f"{row['world']:6d} {row['channels']:3d} {ms('summary_ms')} {ms('decide_new_ms')} {ms('decide_memo_ms')} "
-        f"{ms('plan_ms')} {ms('total_new_ms')} {ms('total_memo_ms')} {row['protocol']:>8s} "
+        f"{ms('plan_ms')} {ms('total_new_ms')} {ms('total_memo_ms')} {ms('total_new_default_group_ms')} "
+        f"{ms('reads_ms')} {row['protocol']:>8s} "
         f"{row['exchange_bytes'] / 1024:10.1f} {row['table_bytes'] / 1024:10.1f} {row.get('chosen', ''):12s} "
         f"{row.get('note', '')}"
     )
@@ -330,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'ranks':>6s} {'ch':>3s} {'summary':>10s} {'new ms':>10s} {'memo ms':>10s} {'plan ms':>10s} "
-        f"{'total new':>10s} {'total memo':>10s} {'protocol':>8s} {'exch KiB':>10s} {'table KiB':>10s} chosen"
+        f"{'total new':>10s} {'total memo':>10s} {'new, hier.':>10s} {'reads ms':>10s} {'protocol':>8s} {'exch KiB':>10s} "
+        f"{'table KiB':>10s} chosen"
     )
     plan = planning_rows(args)
     print(

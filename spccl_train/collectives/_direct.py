@@ -64,10 +64,11 @@ def direct_reduce_scatter(
     rank, p, ch = transport.rank, transport.world, layout.channels
     dtype = x.dtype
     own = layout.chunks[rank]
-    sends, receives = step.sent_by(rank), step.received_by(rank)
-    in_splits, out_splits = _splits(sends, "dst", ch, p), _splits(receives, "src", ch, p)
-    send_waves = _waves(sends, ch, "start", "numel", "format", "nbytes")  # dst order: the all-to-all's input
-    recv_waves = _waves(receives, ch, "start", "numel", "format", "nbytes")  # src order: its output
+    messages = step.messages
+    sends, receives = messages.columns["src"] == rank, messages.columns["dst"] == rank
+    in_splits, out_splits = _splits(messages, sends, "dst", ch, p), _splits(messages, receives, "src", ch, p)
+    send_waves = _waves(messages, sends, ch, "start", "numel", "format", "nbytes")  # dst order: the all-to-all's input
+    recv_waves = _waves(messages, receives, ch, "start", "numel", "format", "nbytes")  # src order: its output
     wide = dtype != torch.float32
     bufs = carve(x.device, [*map(sum, in_splits), *map(sum, out_splits), 4 * own.numel if wide else 0])
     sendbufs, recvbufs, wide_acc = bufs[:ch], bufs[ch : 2 * ch], bufs[-1]
@@ -166,10 +167,13 @@ class _Gather:
         rank, p, ch = transport.rank, transport.world, layout.channels
         self._transport, self._out, self._own, self._own_base, self._sink = transport, out, own, own_base, sink
         # one payload for every receiver (planned on the messages to the right neighbour)
-        cols = step.messages.columns
-        to_right = step.messages.where((cols["src"] == rank) & (cols["dst"] == (rank + 1) % p))
-        self._mine = _waves(to_right, ch, "start", "numel", "format", "nbytes")
-        self._theirs = _waves(step.received_by(rank), ch, "src", "start", "numel", "format", "nbytes", "nnz_bound")
+        messages = step.messages
+        cols = messages.columns
+        to_right = (cols["src"] == rank) & (cols["dst"] == (rank + 1) % p)
+        self._mine = _waves(messages, to_right, ch, "start", "numel", "format", "nbytes")
+        self._theirs = _waves(
+            messages, cols["dst"] == rank, ch, "src", "start", "numel", "format", "nbytes", "nnz_bound"
+        )
         self._padded = step.route is Route.ALL_GATHER
         size_of = step.wave_bytes
         self._recv_sizes = [[max(size_of[k]) if self._padded else size_of[k][q] for q in range(p)] for k in range(ch)]
@@ -224,22 +228,24 @@ class _Gather:
                 offsets[src] += nbytes
 
 
-def _waves(messages: Messages, channels: int, *names: str) -> list[list[tuple]]:
-    """The named fields of ``messages`` split by piece index (wave), each wave in message order."""
-    piece = messages.columns["piece"]
-    waves = []
-    for k in range(channels):
-        mask = piece == k
-        waves.append(list(zip(*(messages.columns[name][mask].tolist() for name in names))))
-    return waves
-
-
-def _splits(messages: Messages, by: str, channels: int, world: int) -> list[list[int]]:
-    """``splits[k][q]``: bytes of wave ``k``'s messages whose field ``by`` is ``q``."""
-    splits = np.zeros((channels, world), dtype=np.int64)
+def _waves(messages: Messages, mask: np.ndarray, channels: int, *names: str) -> list[list[tuple]]:
+    """The named fields of the messages where ``mask`` holds, split by piece index (wave), each
+    wave in message order."""
     cols = messages.columns
-    np.add.at(splits, (cols["piece"], cols[by]), cols["nbytes"])
-    return splits.tolist()
+    picked = np.flatnonzero(mask)
+    piece = cols["piece"][picked]
+    order = picked[np.argsort(piece, kind="stable")]
+    rows = list(zip(*(cols[name][order].tolist() for name in names)))
+    ends = np.cumsum(np.bincount(piece, minlength=channels)).tolist()
+    return [rows[(ends[k - 1] if k else 0) : ends[k]] for k in range(channels)]
+
+
+def _splits(messages: Messages, mask: np.ndarray, by: str, channels: int, world: int) -> list[list[int]]:
+    """``splits[k][q]``: bytes of wave ``k``'s messages (where ``mask`` holds) whose field ``by`` is ``q``."""
+    cols = messages.columns
+    slot = cols["piece"][mask] * world + cols[by][mask]
+    sums = np.bincount(slot, weights=cols["nbytes"][mask], minlength=channels * world)  # exact below 2**53
+    return sums.astype(np.int64).reshape(channels, world).tolist()
 
 
 def _starts(sizes: list[int]) -> list[int]:

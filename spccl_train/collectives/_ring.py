@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..formats import Format
@@ -54,9 +55,14 @@ class _Hop(NamedTuple):
         return self.format is not Format.DENSE
 
 
-def _by_piece(messages: Messages, peer: str) -> dict[int, _Hop]:
-    """A step's messages of one rank by piece index (a ring step moves one message per piece)."""
-    piece, peers, start, numel, code, nbytes = messages.lists("piece", peer, "start", "numel", "format", "nbytes")
+def _by_piece(messages: Messages, rank: int, peer: str) -> dict[int, _Hop]:
+    """A step's messages that ``rank`` sends (``peer="dst"``) or receives (``peer="src"``), by piece
+    index (a ring step moves one message per piece each way)."""
+    cols = messages.columns
+    mine = np.flatnonzero(cols["src" if peer == "dst" else "dst"] == rank)
+    piece, peers, start, numel, code, nbytes = (
+        cols[name][mine].tolist() for name in ("piece", peer, "start", "numel", "format", "nbytes")
+    )
     return {k: _Hop(q, s, n, WIRE_FORMATS[c], b) for k, q, s, n, c, b in zip(piece, peers, start, numel, code, nbytes)}
 
 
@@ -87,8 +93,8 @@ def ring_reduce_scatter(
     in_place = out is None
     dtype, size = x.dtype, x.element_size()
     own = layout.chunks[rank]
-    sent = [_by_piece(step.sent_by(rank), "dst") for step in steps]
-    received = [_by_piece(step.received_by(rank), "src") for step in steps]
+    sent = [_by_piece(step.messages, rank, "dst") for step in steps]
+    received = [_by_piece(step.messages, rank, "src") for step in steps]
     last = len(steps) - 1
 
     def lands_in_target(s: int, m: _Hop) -> bool:
@@ -194,8 +200,8 @@ def ring_all_gather(
     if not steps:
         return
     dtype = out.dtype
-    sent = [_by_piece(step.sent_by(rank), "dst") for step in steps]
-    received = [_by_piece(step.received_by(rank), "src") for step in steps]
+    sent = [_by_piece(step.messages, rank, "dst") for step in steps]
+    received = [_by_piece(step.messages, rank, "src") for step in steps]
     send_slot, recv_slot = [0] * ch, [0] * ch
     for k, m in sent[0].items():
         if m.sparse:
