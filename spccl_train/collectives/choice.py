@@ -126,12 +126,12 @@ def weigh(
         flat = ["ring", "direct"] if rings else ["direct"]
         flat = flat if config.algorithm == "auto" else [config.algorithm]
         weighed: dict[tuple[Format, str], tuple[Candidate, bool]] = {}
+        variants = [
+            (fmt, th, mode)
+            for fmt, th in ((fmt, config.thresholds.resolve(fmt)) for fmt in formats)
+            for mode in (_gather_modes(config.gather_counts, fmt) if collective == "all_reduce" else ("",))
+        ]
         for algorithm in flat:  # every format and gather mode of an algorithm weighed at once
-            variants = [
-                (fmt, config.thresholds.resolve(fmt), mode)
-                for fmt in formats
-                for mode in (_gather_modes(config.gather_counts, fmt) if collective == "all_reduce" else ("",))
-            ]
             for (fmt, _, mode), got in zip(
                 variants, predict_variants(model, summary, dtype, algorithm, variants, exchanges)
             ):

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import os
 import zlib
 
@@ -51,7 +52,6 @@ import torch.distributed as dist
 from ..formats import MAX_ELEMENTS, SUPPORTED_DTYPES
 from ..transport import P2PTransport
 from .chunking import ChunkLayout, piece_arrays
-from .plan import sparsities
 from .summary import CountSummary
 from .topology import Topology
 
@@ -335,6 +335,23 @@ def owner_terms(
     maxed over ranks), its reduced pieces' bounds (gathered), and its reduced pieces' expected
     nonzeros followed by its nonzeros (summed over ranks).
     """
+    n, n_safe, same_others, other_nodes = _owner_geometry(layout, topology, rank)
+    maxima = [
+        int(row[same_others].sum()),
+        int(row[other_nodes].sum()),
+        int(column[same_others].sum()),
+        int(column[other_nodes].sum()),
+    ]
+    bound = np.minimum(n, column.sum(0))
+    # sparsities(): an empty piece has no nonzeros, so 1 - 0 / 1 there
+    expected = np.rint(n * (1.0 - np.prod(1.0 - column / n_safe, axis=0))).astype(np.int64)
+    return maxima, bound, np.concatenate([np.minimum(bound, expected), [row.sum()]])
+
+
+@functools.lru_cache(maxsize=64)
+def _owner_geometry(layout: ChunkLayout, topology: Topology, rank: int) -> tuple[np.ndarray, ...]:
+    """:func:`owner_terms`'s fixed arrays: this rank's pieces' sizes (and at least 1), and the
+    ranks of its node other than itself, and of the other nodes, as masks."""
     p = layout.world
     n = piece_arrays(layout)[0][rank]
     rpn = topology.ranks_per_node
@@ -342,15 +359,7 @@ def owner_terms(
     node = np.arange(p) // local
     same = node == node[rank]
     others = np.arange(p) != rank
-    maxima = [
-        int(row[same & others].sum()),
-        int(row[~same].sum()),
-        int(column[same & others].sum()),
-        int(column[~same].sum()),
-    ]
-    bound = np.minimum(n, column.sum(0))
-    estimate = np.minimum(bound, np.rint(n * (1.0 - np.prod(sparsities(n, column), axis=0))).astype(np.int64))
-    return maxima, bound, np.concatenate([estimate, [row.sum()]])
+    return n, np.maximum(n, 1), same & others, ~same
 
 
 def exchange_bytes(how: str, collective: str, world: int, channels: int, whole_table: bool = False) -> int:

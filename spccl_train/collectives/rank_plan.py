@@ -23,11 +23,23 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..formats import Format
+from ..formats import TILE, Format
 from ..formats.layout import element_size
 from .chunking import ChunkLayout, piece_arrays
 from .config import ResolvedThresholds
-from .plan import FORMAT_CODE, Message, Messages, Phase, Plan, Route, Step, padded_slot, sparsities, wire_format
+from .plan import (
+    COO_HEADER_BYTES,
+    FORMAT_CODE,
+    Message,
+    Messages,
+    Phase,
+    Plan,
+    Route,
+    Step,
+    padded_slot,
+    sparsities,
+    wire_format,
+)
 from .topology import Topology
 
 __all__ = ["plan_reduce_scatter_for", "plan_direct_reduce_scatter_for", "plan_all_gather_for"]
@@ -85,6 +97,20 @@ def _sizes(fmt: Format, dtype: torch.dtype, packed: bool, n, bound, sigma, tau) 
     if packed:
         nbytes = (nbytes + 15) & ~15
     return sparse, nbytes, n * size
+
+
+def _packed_sizes(
+    fmt: Format, size: int, n: np.ndarray, meta: np.ndarray, count: np.ndarray, sigma: np.ndarray, tau
+) -> tuple[np.ndarray, ...]:
+    """:func:`_sizes` of packed messages of pieces that all have elements, with their Pici
+    metadata bytes ``meta`` known: the same integers in fewer array operations."""
+    dense = n * size
+    if fmt is Format.DENSE:
+        return np.zeros(n.shape, dtype=bool), (dense + 15) & ~15, dense
+    values = count * size
+    payload = meta + values if fmt is Format.PICI else COO_HEADER_BYTES + ((4 * count + 15) & ~15) + values
+    sparse = (sigma > tau) & (payload < dense)
+    return sparse, (np.where(sparse, payload, dense) + 15) & ~15, dense
 
 
 def plan_reduce_scatter_for(
@@ -145,8 +171,23 @@ def plan_direct_reduce_scatter_for(
     tau = np.where(geo.inter, thresholds.inter, thresholds.intra)
     sigma = 1.0 - count / geo.n  # sparsities(): every piece here has elements
     exact = np.ones(len(count), dtype=bool)
+    sized = _packed_sizes(fmt, element_size(dtype), geo.n, geo.meta, count, sigma, tau)
     messages = _messages(
-        fmt, dtype, True, geo.src, geo.dst, geo.chunk, geo.piece, geo.start, geo.n, count, exact, sigma, tau, geo.inter
+        fmt,
+        dtype,
+        True,
+        geo.src,
+        geo.dst,
+        geo.chunk,
+        geo.piece,
+        geo.start,
+        geo.n,
+        count,
+        exact,
+        sigma,
+        tau,
+        geo.inter,
+        sized=sized,
     )
     step = Step(Phase.REDUCE_SCATTER, 0, Route.ALL_TO_ALL, messages)
     return Plan(collective, "direct", fmt, dtype, layout, topology, (step,), rank)
@@ -163,6 +204,8 @@ class _Direct(NamedTuple):
     start: np.ndarray
     n: np.ndarray
     inter: np.ndarray
+    meta: np.ndarray
+    """Each message's Pici metadata bytes (fixed by its piece's length)."""
     counted: np.ndarray
     """Where each message's count is: a reduce-scatter's in ``row.ravel()`` followed by
     ``column.ravel()``; an all-gather's in the ``[owner, piece]`` table, flattened."""
@@ -188,9 +231,10 @@ def _direct_geometry(rank: int, layout: ChunkLayout, topology: Topology, gather:
         counted = chunk * ch + piece
     else:
         counted = np.where(src == rank, chunk * ch + piece, p * ch + src * ch + piece)
-    fields = _Direct(
-        src, dst, chunk, piece, start_all[chunk, piece], n_all[chunk, piece], node[src] != node[dst], counted
-    )
+    n = n_all[chunk, piece]
+    tiles = -(-n // TILE)
+    meta = 512 * tiles + ((4 * (tiles + 1) + 15) & ~15)
+    fields = _Direct(src, dst, chunk, piece, start_all[chunk, piece], n, node[src] != node[dst], meta, counted)
     for a in fields:
         a.flags.writeable = False
     return fields

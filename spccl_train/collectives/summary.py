@@ -246,7 +246,7 @@ class _Rounding:
     size's boundaries rounded down to integers (``b >= x`` exactly when ``floor(b) >= x``), packed
     with the size's index into one sorted int64 array, so a call is one ``searchsorted``."""
 
-    __slots__ = ("sizes", "which", "shift", "keys", "starts", "counts", "level_starts", "levels", "tables", "lists")
+    __slots__ = ("sizes", "which", "keys", "levels", "tables", "lists", "shifted", "first", "last")
 
     @classmethod
     def of(cls, sizes: np.ndarray, steps: int) -> _Rounding:
@@ -257,15 +257,17 @@ class _Rounding:
         self.which = which.reshape(-1)
         self.tables = [_levels(size, steps) for size in distinct.tolist()]
         self.lists = (self.sizes.tolist(), self.which.tolist(), [(f.tolist(), lv.tolist()) for f, lv in self.tables])
-        self.shift = int(distinct[-1]).bit_length() + 1
-        self.counts = np.array([len(f) for f, _ in self.tables])
-        self.starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
-        self.level_starts = np.concatenate([[0], np.cumsum(self.counts + 1)[:-1]]).astype(np.int64)
+        shift = int(distinct[-1]).bit_length() + 1
+        counts = np.array([len(f) for f, _ in self.tables])
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        level_starts = np.concatenate([[0], np.cumsum(counts + 1)[:-1]]).astype(np.int64)
         self.levels = np.concatenate([lv for _, lv in self.tables])
-        packable = self.shift + len(distinct).bit_length() <= 62
-        self.keys = (
-            np.concatenate([(i << self.shift) + f for i, (f, _) in enumerate(self.tables)]) if packable else None
-        )
+        packable = shift + len(distinct).bit_length() <= 62
+        self.keys = np.concatenate([(i << shift) + f for i, (f, _) in enumerate(self.tables)]) if packable else None
+        # per count: its key's offset, where its size's boundaries start, and its size's level 0
+        self.shifted = self.which << shift
+        self.first = starts[self.which]
+        self.last = level_starts[self.which] + counts[self.which]
         return self
 
     def apply(self, values: np.ndarray) -> np.ndarray:
@@ -281,18 +283,18 @@ class _Rounding:
                     floors, levels = tables[w]
                     out.append(levels[len(floors) - bisect.bisect_left(floors, x)])
             return np.array(out, dtype=np.int64)
-        out = values.copy()
         inner = (values > 0) & (values < self.sizes)
-        x, which = values[inner], self.which[inner]
         if self.keys is None:  # sizes too large to pack: one size at a time
+            out = values.copy()
+            x, which = values[inner], self.which[inner]
             for i, (floors, levels) in enumerate(self.tables):
                 mine = which == i
                 x[mine] = levels[len(floors) - np.searchsorted(floors, x[mine], side="left")]
             out[inner] = x
             return out
-        below = np.searchsorted(self.keys, (which << self.shift) + x, side="left") - self.starts[which]
-        out[inner] = self.levels[self.level_starts[which] + self.counts[which] - below]
-        return out
+        # every count looked up at once (those outside (0, n) at a clipped value, then kept as they are)
+        below = np.searchsorted(self.keys, self.shifted + np.clip(values, 0, self.sizes), side="left") - self.first
+        return np.where(inner, self.levels[self.last - below], values)
 
 
 def _round(values: np.ndarray, sizes: np.ndarray, steps: int) -> np.ndarray:
@@ -384,10 +386,12 @@ def predict_variants(
             gather = [[step] for step in _direct_gather(model, summary, payloads, size, fmts, taus)]
     out = []
     for (fmt, _, mode), gathered in zip(variants, gather):
-        total = model.planning(collective, layout.numel, dtype, layout.world, exchanges + (mode == "measured"))
-        steps = reduce.get(fmt, []) + gathered
-        seconds = math.fsum([total, *(model.step_s + t for t, _ in steps)])
-        out.append(Prediction(seconds, any(sparse for _, sparse in steps)))
+        terms = [model.planning(collective, layout.numel, dtype, layout.world, exchanges + (mode == "measured"))]
+        sparse = False
+        for seconds, sends in reduce.get(fmt, []) + gathered:
+            terms.append(model.step_s + seconds)
+            sparse = sparse or sends
+        out.append(Prediction(math.fsum(terms), sparse))
     return out
 
 
@@ -418,13 +422,13 @@ def _codec_rates(model: CostModel, fmts: Sequence[Format], rate: str, axes: int)
 
 
 class _ReduceTerms(NamedTuple):
-    some: np.ndarray
+    sends: np.ndarray
+    """``[f, d, h, q]``: the format is sparse and the rank has messages of that kind."""
     per: np.ndarray
     elems: np.ndarray
     """At least 1 (a sparsity's divisor)."""
     dense_bytes: np.ndarray
     tau: np.ndarray
-    sends: np.ndarray
     bandwidth: np.ndarray
     encode: tuple[np.ndarray, np.ndarray]
     """Seconds of encoding what a rank sends per hop kind: sparse (per format), dense."""
@@ -442,12 +446,11 @@ def _reduce_terms(geo: _Geometry, model: CostModel, size: int, fmts: tuple, taus
     _, accumulate = _codec_rates(model, fmts, "accumulate", 2)
     latency = np.array([geo.waves * link.latency_s for link in links])[:, None]
     return _ReduceTerms(
-        some=msgs > 0,
+        sends=(msgs > 0) & np.array([fmt is not Format.DENSE for fmt in fmts]).reshape(f, 1, 1, 1),
         per=np.maximum(msgs, 1),
         elems=np.maximum(geo.elems, 1),
         dense_bytes=dense_bytes,
         tau=np.array(taus).reshape(f, 1, 2, 1),
-        sends=np.array([fmt is not Format.DENSE for fmt in fmts]).reshape(f, 1, 1, 1),
         bandwidth=np.array([link.grouped_bandwidth for link in links])[:, None],
         encode=(msgs[0] * calls + dense_bytes[0] / compress, dense_bytes[0] / model.copy),
         decode=(msgs[1] * calls + dense_bytes[1] / accumulate, dense_bytes[1] / model.reduce),
@@ -468,15 +471,16 @@ def _direct_reduce(
     t = _terms(_reduce_terms, geo, model, size, tuple(fmts), tuple((th.intra, th.inter) for th in ths))
     nnz = np.stack([s.sent, s.received])  # [d, h, q]
     # the messages' payloads summed (affine in nnz: exact for Pici), as if equally dense
-    pici = geo.meta + nnz * size
+    values = nnz * size
+    pici = geo.meta + values
     if any(t.coo):
         chunked = _align16(np.ceil(4 * nnz / t.per).astype(np.int64))
-        coo = geo.msgs * (COO_HEADER_BYTES + chunked) + nnz * size
+        coo = geo.msgs * (COO_HEADER_BYTES + chunked) + values
         payload = np.stack([coo if is_coo else pici for is_coo in t.coo])
     else:
         payload = pici[None]
     sigma = 1.0 - nnz / t.elems  # sparsities(): 1.0 where a rank has nothing of that kind
-    sparse = t.some & t.sends & (sigma > t.tau) & (payload < t.dense_bytes)  # [f, d, h, q]
+    sparse = t.sends & (sigma > t.tau) & (payload < t.dense_bytes)  # [f, d, h, q]
     nbytes = np.where(sparse, payload, t.dense_bytes) / t.per
     wire = (geo.msgs * _align16(np.ceil(nbytes).astype(np.int64)) / t.bandwidth).sum(-2)  # [f, d, q]
     encode = np.where(sparse[:, 0], *t.encode).sum(-2)
@@ -486,24 +490,29 @@ def _direct_reduce(
 
 
 class _GatherTerms(NamedTuple):
-    has: np.ndarray
+    sends: np.ndarray
+    """``[v, c, k]``: the variant's format is sparse and the piece has elements."""
     n: np.ndarray
     """At least 1 (a sparsity's divisor)."""
     dense_bytes: np.ndarray
-    sends: np.ndarray
     tau: np.ndarray
     base: np.ndarray
     """``[v, c, k]``: a payload's bytes besides its values and (COO) indices: Pici metadata or the COO header."""
-    coo: np.ndarray
+    coo: np.ndarray | None
+    """``[v, 1, 1]``: 1 for a COO variant (``None``: there is none)."""
     encode: tuple[np.ndarray, np.ndarray]
     """Seconds of encoding each piece (0 for empty ones): sparse (per variant), dense."""
     decode: tuple[np.ndarray, np.ndarray]
     reach: np.ndarray
     bandwidth: tuple[float, float]
     latency: float
+    nodes: tuple[np.ndarray, np.ndarray] | None
+    """:func:`_from_others`'s node starts and each rank's node (``None``: one node)."""
 
 
-def _gather_terms(geo: _Geometry, model: CostModel, size: int, fmts: tuple, taus: tuple) -> _GatherTerms:
+def _gather_terms(
+    geo: _Geometry, model: CostModel, size: int, fmts: tuple, taus: tuple, rpn: int | None
+) -> _GatherTerms:
     v = len(fmts)
     n = geo.n
     has = n > 0
@@ -516,19 +525,20 @@ def _gather_terms(geo: _Geometry, model: CostModel, size: int, fmts: tuple, taus
     waves = int((n.max(0) > 0).sum())  # piece indices that carry messages: one exchange each
     kinds = [h for h in (_INTRA, _INTER) if geo.peers[h].max() > 0]
     slowest = max((model.link(h == _INTER).latency_s for h in kinds), default=0.0)
+    p = geo.n.shape[0]
     return _GatherTerms(
-        has=has,
+        sends=has & sends,
         n=np.maximum(n, 1),
         dense_bytes=dense_bytes,
-        sends=sends,
         tau=np.array(taus).reshape(v, 1, 1),
         base=base,
-        coo=coo,
+        coo=coo if coo.any() else None,
         encode=(np.where(has, calls + dense_bytes / compress, 0.0), copy),
         decode=(np.where(has, calls + dense_bytes / decompress, 0.0), copy),
         reach=geo.peers[_INTRA] / bw[_INTRA] + geo.peers[_INTER] / bw[_INTER],
         bandwidth=bw,
         latency=waves * slowest,
+        nodes=None if rpn is None or rpn >= p else (np.arange(0, p, rpn), np.arange(p) // rpn),
     )
 
 
@@ -540,37 +550,36 @@ def _direct_gather(
     nonzeros piece ``k`` of chunk ``c`` is sized for in variant ``v``, sent in format ``fmts[v]``
     with all-gather threshold ``taus[v]``: every variant weighed at once."""
     geo = _geometry(s.layout, s.topology)
-    t = _terms(_gather_terms, geo, model, size, tuple(fmts), tuple(taus))
+    t = _terms(_gather_terms, geo, model, size, tuple(fmts), tuple(taus), s.topology.ranks_per_node)
     p = s.layout.world
     sigma = 1.0 - payloads / t.n  # sparsities(): empty pieces are never sent
-    payload = t.base + payloads * size + t.coo * _align16(4 * payloads)  # wire_format's, per format
-    sparse = t.has & t.sends & (sigma > t.tau) & (payload < t.dense_bytes)
-    nbytes = np.where(t.has, _align16(np.where(sparse, payload, t.dense_bytes)), 0)  # [v, c, k]: packed
+    payload = t.base + payloads * size  # wire_format's, per format
+    if t.coo is not None:
+        payload += t.coo * _align16(4 * payloads)
+    sparse = t.sends & (sigma > t.tau) & (payload < t.dense_bytes)
+    nbytes = _align16(np.where(sparse, payload, t.dense_bytes))  # [v, c, k]: packed (empty pieces: 0)
     enc = np.where(sparse, *t.encode).sum(-1)  # [v, c]
     dec = np.where(sparse, *t.decode).sum(-1)
     decode = dec.sum(-1, keepdims=True) - dec  # every other owner's payload
     # padded_slot of each variant: its waves padded to their largest payload, if cheap enough
-    padded = nbytes.max(-2).sum(-1)  # [v]
-    slot = np.where((padded > 0) & (p * padded <= PADDED_GATHER_SLACK * nbytes.sum((-2, -1))), padded, 0)[:, None]
     mine = nbytes.sum(-1)  # [v, c]
-    padded_wire = slot * t.reach
-    out_wire = np.where(slot > 0, padded_wire, mine * t.reach)
+    padded = nbytes.max(-2).sum(-1, keepdims=True)  # [v, 1]
+    use = (padded > 0) & (p * padded <= PADDED_GATHER_SLACK * mine.sum(-1, keepdims=True))
     intra, inter = t.bandwidth
-    in_wire = np.where(slot > 0, padded_wire, _from_others(mine / intra, mine / inter, s.topology))
+    out_wire = np.where(use, padded, mine) * t.reach
+    in_wire = np.where(use, out_wire, _from_others(mine / intra, mine / inter, t.nodes))
     busy = (enc + np.maximum(out_wire, in_wire) + t.latency + decode).max(-1)
     return list(zip(busy.tolist(), sparse.any((-2, -1)).tolist()))
 
 
-def _from_others(intra: np.ndarray, inter: np.ndarray, topology: Topology) -> np.ndarray:
+def _from_others(intra: np.ndarray, inter: np.ndarray, nodes: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray:
     """Per rank ``d`` (the last axis): the sum over the other ranks ``c`` of ``intra[c]`` (same node)
-    or ``inter[c]``."""
-    p = intra.shape[-1]
-    rpn = topology.ranks_per_node
-    if rpn is None or rpn >= p:
+    or ``inter[c]``. ``nodes``: where each node's ranks start, and each rank's node (``None``: one node)."""
+    if nodes is None:
         return intra.sum(-1, keepdims=True) - intra
-    node = np.arange(p) // rpn
-    intra_node = np.add.reduceat(intra, np.arange(0, p, rpn), axis=-1)[..., node]
-    inter_node = np.add.reduceat(inter, np.arange(0, p, rpn), axis=-1)[..., node]
+    starts, node = nodes
+    intra_node = np.add.reduceat(intra, starts, axis=-1)[..., node]
+    inter_node = np.add.reduceat(inter, starts, axis=-1)[..., node]
     return (intra_node - intra) + (inter.sum(-1, keepdims=True) - inter_node)
 
 
