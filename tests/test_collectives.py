@@ -43,8 +43,7 @@ from spccl_train.collectives.choice import NATIVE_MARGIN
 from spccl_train.collectives.chunking import ChunkLayout
 from spccl_train.collectives.cost import CodecCost, LinkCost
 from spccl_train.collectives.exchange import exchange_rounds
-from spccl_train.collectives.plan import message_bytes
-from spccl_train.formats import Format
+from spccl_train.formats import Format, message_bytes
 
 SEED = int(os.environ.get("SPCCL_TEST_SEED", random.SystemRandom().randrange(2**31)))
 os.environ["SPCCL_TEST_SEED"] = str(SEED)  # the spawned ranks import this module and must draw alike

@@ -19,16 +19,14 @@ from hypothesis import strategies as st
 from spccl_train.collectives import ChunkLayout, Phase, Route, Span, Thresholds, Topology
 from spccl_train.collectives.chunking import SMALL_UNIT, count_nonzero_pieces, split_span, unit_for
 from spccl_train.collectives.plan import (
-    COO_HEADER_BYTES,
     PADDED_GATHER_SLACK,
     choose_format,
     estimate_reduced_counts,
-    message_bytes,
     plan_all_gather,
     plan_reduce_scatter,
     sparsity,
 )
-from spccl_train.formats import TILE, Format, align16, coo_bytes, pici_bytes
+from spccl_train.formats import COO_HEADER_BYTES, TILE, Format, align16, coo_bytes, message_bytes, pici_bytes
 
 PICI = Thresholds().resolve("pici")
 COO = Thresholds().resolve("coo")

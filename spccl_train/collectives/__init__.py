@@ -24,10 +24,11 @@ from .api import (
 )
 from .choice import Candidate, choose
 from .chunking import ChunkLayout, Span
-from .config import DEFAULT_THRESHOLDS, CollectiveConfig, ResolvedThresholds, Thresholds
+from .config import CollectiveConfig
 from .cost import CodecCost, CostModel, LinkCost
 from .graphs import cached_graphs, clear_graphs, clearing_graphs
 from .plan import Message, Messages, Phase, Plan, Route, Step, plan_all_gather, plan_reduce_scatter
+from .thresholds import DEFAULT_THRESHOLDS, ResolvedThresholds, Thresholds
 from .topology import Topology
 
 __all__ = [

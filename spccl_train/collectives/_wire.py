@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import Format, align16, compress_into, decompress_into
-from .plan import COO_HEADER_BYTES
+from ..formats import COO_HEADER_BYTES, Format, align16, compress_into, decompress_into
 
 __all__ = ["carve", "encode", "decode", "as_bytes", "StatusSink"]
 

@@ -25,10 +25,12 @@ sparse format. Sparsity estimates:
 Thresholds: link-aware in reduction steps (``intra`` or ``inter`` by whether the hop crosses a
 node boundary), phase-aware in gather steps (``ag``).
 
-Framing: a Pici payload records its nnz (the last index entry), so it travels bare. A COO
-payload does not, so every COO message is a 16-byte header (int64 nnz, int64 n, little-endian)
-followed by the payload; the receiver hands the header's nnz to the decoder as a device tensor,
-with no host synchronisation. Dense messages are the raw elements.
+Framing (:data:`~spccl_train.formats.layout.COO_HEADER_BYTES`,
+:func:`~spccl_train.formats.layout.message_bytes`, with the rest of the format math): a Pici
+payload records its nnz (the last index entry), so it travels bare. A COO payload does not, so
+every COO message is a 16-byte header (int64 nnz, int64 n, little-endian) followed by the
+payload; the receiver hands the header's nnz to the decoder as a device tensor, with no host
+synchronisation. Dense messages are the raw elements.
 
 Sizes: ``Message.nbytes`` is what travels. Ring messages are sent at their exact (or bounded)
 size from and into 16-byte aligned slots; direct messages are packed back to back, so each is
@@ -43,21 +45,18 @@ import dataclasses
 import enum
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from ..formats import TILE, Format, align16, coo_bytes, dense_bytes, pici_bytes
+from ..formats import COO_HEADER_BYTES, TILE, Format, align16, dense_bytes, message_bytes
 from ..formats.layout import element_size
 from .chunking import ChunkLayout
+from .thresholds import ResolvedThresholds
 from .topology import Topology
 
-if TYPE_CHECKING:
-    from .config import ResolvedThresholds
-
 __all__ = [
-    "COO_HEADER_BYTES",
     "PADDED_GATHER_SLACK",
     "Phase",
     "Route",
@@ -65,7 +64,6 @@ __all__ = [
     "Messages",
     "Step",
     "Plan",
-    "message_bytes",
     "choose_format",
     "wire_format",
     "sparsity",
@@ -76,9 +74,6 @@ __all__ = [
     "bound_reduced_counts",
     "padded_slot",
 ]
-
-COO_HEADER_BYTES = 16
-"""Bytes in front of every COO payload: int64 nnz, int64 n."""
 
 PADDED_GATHER_SLACK = 1.25
 """The direct all-gather pads every rank's payload to the largest (one ``all_gather``) when that
@@ -384,16 +379,6 @@ def sparsities(n, counts) -> np.ndarray:
     """:func:`sparsity` elementwise over arrays of pieces (1.0 for empty ones), in the same float steps."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(np.asarray(n) > 0, 1.0 - counts / np.maximum(n, 1), 1.0)
-
-
-def message_bytes(fmt: Format | str, numel: int, nnz: int, dtype: torch.dtype) -> int:
-    """Unpadded wire size of a message: dense elements, a bare Pici payload, or header + COO payload."""
-    fmt = Format(fmt)
-    if fmt is Format.DENSE:
-        return dense_bytes(numel, dtype)
-    if fmt is Format.PICI:
-        return pici_bytes(numel, nnz, dtype)
-    return COO_HEADER_BYTES + coo_bytes(numel, nnz, dtype)
 
 
 def wire_format(fmt: Format, n, nnz, sigma, threshold, size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -23,12 +23,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..formats import TILE, Format
+from ..formats import COO_HEADER_BYTES, TILE, Format
 from ..formats.layout import element_size
 from .chunking import ChunkLayout, piece_arrays
-from .config import ResolvedThresholds
 from .plan import (
-    COO_HEADER_BYTES,
     FORMAT_CODE,
     Message,
     Messages,
@@ -40,6 +38,7 @@ from .plan import (
     sparsities,
     wire_format,
 )
+from .thresholds import ResolvedThresholds
 from .topology import Topology
 
 __all__ = ["plan_reduce_scatter_for", "plan_direct_reduce_scatter_for", "plan_all_gather_for"]

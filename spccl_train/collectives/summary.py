@@ -47,11 +47,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..formats import TILE, Format
+from ..formats import COO_HEADER_BYTES, TILE, Format
 from ..formats.layout import element_size
 from .chunking import ChunkLayout, piece_arrays
 from .cost import CostModel
-from .plan import COO_HEADER_BYTES, PADDED_GATHER_SLACK, sparsities
+from .plan import PADDED_GATHER_SLACK, sparsities
 from .topology import Topology
 
 __all__ = ["CountSummary", "Prediction", "predict", "predict_variants"]

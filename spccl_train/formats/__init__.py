@@ -18,6 +18,7 @@ from .codec import (
     uses_kernels,
 )
 from .layout import (
+    COO_HEADER_BYTES,
     MAX_ELEMENTS,
     SUPPORTED_DTYPES,
     TILE,
@@ -28,6 +29,7 @@ from .layout import (
     coo_layout,
     coo_nnz_from_bytes,
     dense_bytes,
+    message_bytes,
     payload_bytes,
     pici_bytes,
     pici_layout,
@@ -36,6 +38,7 @@ from .layout import (
 )
 
 __all__ = [
+    "COO_HEADER_BYTES",
     "CorruptPayloadError",
     "DecodeStatus",
     "PayloadTooSmallError",
@@ -53,6 +56,7 @@ __all__ = [
     "coo_nnz_from_bytes",
     "decompress_into",
     "dense_bytes",
+    "message_bytes",
     "payload_bytes",
     "pici_bytes",
     "pici_decode",

@@ -35,6 +35,8 @@ __all__ = [
     "payload_bytes",
     "capacity_bytes",
     "coo_nnz_from_bytes",
+    "COO_HEADER_BYTES",
+    "message_bytes",
 ]
 
 TILE_ROWS = 64
@@ -231,6 +233,20 @@ def payload_bytes(fmt: Format | str, n: int, nnz: int, dtype: torch.dtype) -> in
     if fmt is Format.COO:
         return coo_bytes(n, nnz, dtype)
     return dense_bytes(n, dtype)
+
+
+COO_HEADER_BYTES = 16
+"""Bytes in front of every COO message of a collective: int64 nnz, int64 n (a COO payload does
+not record its nnz; a Pici payload does, as its last index entry, so it travels bare)."""
+
+
+def message_bytes(fmt: Format | str, numel: int, nnz: int, dtype: torch.dtype) -> int:
+    """Unpadded size of a collective's message: dense elements, a bare Pici payload, or the COO
+    header followed by a COO payload."""
+    fmt = Format(fmt)
+    if fmt is Format.COO:
+        return COO_HEADER_BYTES + coo_bytes(numel, nnz, dtype)
+    return payload_bytes(fmt, numel, nnz, dtype)
 
 
 def capacity_bytes(fmt: Format | str, n: int, dtype: torch.dtype) -> int:
