@@ -673,13 +673,8 @@ def _local_problems(
 
 
 def _layout(collective: str, inp: torch.Tensor, out: torch.Tensor, p: int, channels: int) -> ChunkLayout:
-    return _cached_layout(collective, out.numel() if collective == "all_gather" else inp.numel(), p, channels)
-
-
-@functools.lru_cache(maxsize=256)
-def _cached_layout(collective: str, numel: int, p: int, channels: int) -> ChunkLayout:
-    """Layouts are immutable and repeat from call to call (the same buckets every step)."""
-    return ChunkLayout.of(collective, numel, p, channels)
+    """The call's chunks (memoised by :meth:`ChunkLayout.of`: the same buckets every step)."""
+    return ChunkLayout.of(collective, out.numel() if collective == "all_gather" else inp.numel(), p, channels)
 
 
 def _run(
@@ -692,6 +687,8 @@ def _run(
     planning_stream: torch.cuda.Stream | None,
     bounds: Sequence[Sequence[int]] | None = None,
 ) -> tuple[CollectiveStats, torch.cuda.Event | None]:
+    """One flat call, in stages: the request (checked locally), the counts (exchanged, or the
+    caller's bounds), the decision and this rank's plan, the executors, the stats."""
     p, r = transport.world, transport.rank
     timer = Span(inp.device)
     rpn = _ranks_per_node(config, transport)  # once: the exchange checks what the topology uses
@@ -699,33 +696,16 @@ def _run(
     fingerprint = config.fingerprint() + nodes
     request, problems, aliased, layout = _request(collective, transport, config, fingerprint, inp, out)
     if p == 1:
-        check_table([request.header()], collective, 1, transport.backend)
-        if collective != "all_reduce" and not aliased:
-            out.view(-1).copy_(inp.view(-1))
-        stats = CollectiveStats(
-            collective=collective,
-            algorithm="local",
-            format=Format.DENSE,
-            plan=None,
-            predicted_s=0.0,
-            candidates={},
-            exchanges=0,
-            gather_counts="",
-            bytes_sent=0,
-            dense_bytes=0,
-            graph="",
-            _statuses=None,
-            _timer=timer,
-        )
-        return stats, timer.stop()
+        return _local_call(collective, request, aliased, inp, out, transport, timer)
 
+    # 1. counts: every rank ends this stage holding the same counts (or summaries)
     x = inp.view(-1) if not problems else inp
     corrections = _corrections(config, transport)
     if bounds is None and _goes_native_unexchanged(collective, config, request, layout, transport, rpn):
         if planning_stream is not None:  # the input is ready on the planning stream
             torch.cuda.current_stream(inp.device).wait_stream(planning_stream)
         return _native_call(collective, transport, config, rpn, layout, x, out.view(-1), corrections, timer)
-    how = ""  # the exchange protocol; none for a call with bounds
+    how, xdev = "", None  # the exchange protocol; none for a call with bounds
     if bounds is not None:  # planned from the caller's bounds: no count, no exchange, no synchronisation
         check_local(request, p, transport.backend)
         counts = Counts.from_table(collective, check_bounds(bounds, layout, collective), layout, r)
@@ -743,22 +723,16 @@ def _run(
             collective, request, layout, x, Topology(p, rpn), planner, planning_stream, corrections, how,
             whole_table=config.algorithm == "ring",
         )  # fmt: skip
-    # From here on every rank holds the same counts (or summaries) and computes the same decisions.
-    if how:
-        checked = _checked.setdefault(transport, set())
-        if len(checked) >= 1024:  # every rank adds and forgets alike; a forgotten shape is checked again
-            checked.clear()
-        checked.add(_signature(request))
+        _remember_checked(transport, request)
     topology = Topology(p, rpn)
     whole = how == "table" or (how == "scalable" and config.algorithm == "ring")  # every rank's counts
     rounds = exchange_rounds(how, collective, whole_table=how == "scalable" and whole) if how else 0
     received = exchange_bytes(how, collective, p, config.channels, how == "scalable" and whole) if how else 0
+
+    # 2. the decision and this rank's plan (the same on every rank: pure functions of the counts)
     measured = _model(config, transport, topology, inp.device)
     default_group = hierarchical.is_world(transport.group)
-    model, key = (
-        measured.model,
-        f"{fingerprint}|{measured.tag}|{'default group' if default_group else 'subgroup'}",
-    )
+    model, key = measured.model, f"{fingerprint}|{measured.tag}|{'default group' if default_group else 'subgroup'}"
     if bounds is not None and _graphable(config, inp, out, transport):  # replayed: no host cost per launch
         model, key = model.replayed(), f"{key}|replayed"
     nbytes = layout.numel * inp.element_size()
@@ -772,78 +746,39 @@ def _run(
             )
         config = dataclasses.replace(config, algorithm="auto")  # (the memo key keeps "hierarchical")
     factors = corrections.factors_for(collective, nbytes) if corrections is not None else None
-    planned = None
-    if bounds is not None:  # the same bounds every step (a DDP bucket): decided and planned once
-        corrected = tuple(sorted(factors.items())) if factors else ()
-        bounded_key = (collective, key, inp.dtype, layout, topology, r, corrected, counts.table.tobytes())
-        planned = _bounded_plans.get(bounded_key)
-    if planned is None:
-        choice, weighed = decide(
-            config,
-            key,
-            counts.summary(layout, topology),
-            inp.dtype,
-            model,
-            0 if bounds is not None else 1,
-            factors,
-            default_group,
-            max(rounds, 1),
-            counts.table is not None,
-        )
-        if choice.algorithm == "hierarchical":  # auto chose it: the steps exchange and plan on the node subgroups
 
-            def learn(timer: Span) -> None:
-                if corrections is not None and not (inp.is_cuda and torch.cuda.is_current_stream_capturing()):
-                    uncorrected = choice.predicted_s / factor_of(factors, choice.name)
-                    corrections.called(collective, choice.name, nbytes, uncorrected, timer)
+    def learn(timer: Span, choice: Candidate) -> None:  # the call's time, for the next exchange
+        if corrections is not None and not (inp.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # (a call captured in a CUDA graph ran nothing: its timer's events belong to the graph)
+            uncorrected = choice.predicted_s / factor_of(factors, choice.name)
+            corrections.called(collective, choice.name, nbytes, uncorrected, timer)
 
-            chosen = (choice.predicted_s, weighed)
-            return _hierarchical_call(
-                collective, transport, config, topology, inp, out, timer, 0.0, chosen, how, received, learn
-            )
-        plan = plan_candidate(choice, collective, config, counts, layout, inp.dtype, topology, r)
-        bound_gather = None  # an all-reduce's gather phase sized from the first exchange (or the bounds)
-        if collective == "all_reduce" and plan is not None and choice.gather_counts != "measured":
-            bound_gather = _gather_plan(choice, config, counts.reduced_bounds(), layout, inp.dtype, topology, r)
-        planned = (choice, weighed, plan, bound_gather)
-        if bounds is not None:
-            if len(_bounded_plans) >= 64:
-                _bounded_plans.clear()
-            _bounded_plans[bounded_key] = planned
-    choice, weighed, plan, bound_gather = planned
+    choice, weighed, plan, bound_gather = _decide_and_plan(
+        collective, config, key, counts, layout, inp.dtype, topology, r, model, factors, default_group, rounds,
+        bounds is not None,
+    )  # fmt: skip
+    if choice.algorithm == "hierarchical":  # auto chose it: the steps exchange and plan on the node subgroups
+        chosen = (choice.predicted_s, weighed)
+        return _hierarchical_call(
+            collective, transport, config, topology, inp, out, timer, 0.0, chosen, how, received,
+            functools.partial(learn, choice=choice),
+        )  # fmt: skip
+
+    # 3. the executors
     sink = StatusSink(inp.device)
-    y = out.view(-1)
-    exchanges = rounds  # host synchronisations (none with bounds)
-    if choice.algorithm == "native":
-        _native(collective, transport, x, y)
-        sent = dense = _dense_ring_bytes(collective, layout.numel, p, inp.element_size())
-    else:
-        own = layout.chunks[r]
-        if collective == "all_gather":
-            copy_own = None if aliased else functools.partial(y[own.start : own.stop].copy_, x)
-            _gather_phase(choice.algorithm, transport, plan, layout, y, x, own.start, sink, copy_own=copy_own)
-        elif collective == "reduce_scatter":
-            _scatter_phase(choice.algorithm, transport, plan, layout, x, y, sink, aliased)
-        else:
-            # sized for what the sums can hold (no second exchange), or after measuring below
-            gather = bound_gather
-            if choice.algorithm == "direct" and gather is not None:  # both phases known: interleaved by wave
-                direct_all_reduce(transport, plan.steps[0], gather.steps[0], layout, x, sink)
-            else:
-                held = _scatter_phase(choice.algorithm, transport, plan, layout, x, None, sink, False)
-                if gather is None:  # measured: count the reduced chunk and exchange again
-                    reduced = exchange_reduced_counts(transport, count_nonzero_pieces(x, layout, [r], base=0), xdev)
-                    exchanges += 1
-                    received += 8 * p * (1 + layout.channels)
-                    gather = _gather_plan(choice, config, reduced, layout, inp.dtype, topology, r, measured=True)
-                _gather_phase(choice.algorithm, transport, gather, layout, x, x, 0, sink, held)
-            plan = plan.then(gather)
-        sent, dense = plan.bytes_sent(r), plan.dense_bytes(r)
+    plan, extra = _execute(
+        collective, choice, config, transport, plan, bound_gather, layout, topology, x, out.view(-1), aliased, sink,
+        xdev,
+    )  # fmt: skip
+    sent, dense = (
+        (plan.bytes_sent(r), plan.dense_bytes(r))
+        if plan is not None
+        else (_dense_ring_bytes(collective, layout.numel, p, inp.element_size()),) * 2
+    )
     event = timer.stop()
-    if corrections is not None and not (inp.is_cuda and torch.cuda.is_current_stream_capturing()):
-        # (a call captured in a CUDA graph ran nothing: its timer's events belong to the graph)
-        uncorrected = choice.predicted_s / factor_of(factors, choice.name)
-        corrections.called(collective, choice.name, nbytes, uncorrected, timer)
+    learn(timer, choice)
+
+    # 4. the stats
     stats = CollectiveStats(
         collective=collective,
         algorithm=choice.algorithm,
@@ -851,7 +786,7 @@ def _run(
         plan=plan,
         predicted_s=choice.predicted_s,
         candidates=weighed,
-        exchanges=exchanges,
+        exchanges=rounds + extra,  # host synchronisations (none with bounds)
         gather_counts=choice.gather_counts,
         bytes_sent=sent,
         dense_bytes=dense,
@@ -859,7 +794,7 @@ def _run(
         _statuses=sink.collect(),
         _timer=timer,
         exchange=how,
-        exchange_bytes=received,
+        exchange_bytes=received + extra * 8 * p * (1 + layout.channels),
     )
     if r == 0 and _log.isEnabledFor(logging.DEBUG):
         _log.debug(
@@ -872,6 +807,140 @@ def _run(
             plan.describe() if plan else "native",
         )
     return stats, event
+
+
+def _local_call(
+    collective: str,
+    request: Request,
+    aliased: bool,
+    inp: torch.Tensor,
+    out: torch.Tensor,
+    transport: P2PTransport,
+    timer: Span,
+) -> tuple[CollectiveStats, torch.cuda.Event | None]:
+    """A group of one rank: checked as any call, then the input is the result."""
+    check_table([request.header()], collective, 1, transport.backend)
+    if collective != "all_reduce" and not aliased:
+        out.view(-1).copy_(inp.view(-1))
+    stats = CollectiveStats(
+        collective=collective,
+        algorithm="local",
+        format=Format.DENSE,
+        plan=None,
+        predicted_s=0.0,
+        candidates={},
+        exchanges=0,
+        gather_counts="",
+        bytes_sent=0,
+        dense_bytes=0,
+        graph="",
+        _statuses=None,
+        _timer=timer,
+    )
+    return stats, timer.stop()
+
+
+def _remember_checked(transport: P2PTransport, request: Request) -> None:
+    """Note that an exchange checked this call's signature on every rank (``check_calls="first"``)."""
+    checked = _checked.setdefault(transport, set())
+    if len(checked) >= 1024:  # every rank adds and forgets alike; a forgotten shape is checked again
+        checked.clear()
+    checked.add(_signature(request))
+
+
+def _decide_and_plan(
+    collective: str,
+    config: CollectiveConfig,
+    key: str,
+    counts: Counts,
+    layout: ChunkLayout,
+    dtype: torch.dtype,
+    topology: Topology,
+    rank: int,
+    model: CostModel,
+    factors: dict[str, float] | None,
+    default_group: bool,
+    rounds: int,
+    bounded: bool,
+) -> tuple[Candidate, dict[str, float], Plan | None, Plan | None]:
+    """``(choice, predictions, plan, gather plan)``: :func:`~.choice.decide` from the counts'
+    summary, then this rank's plan of the choice (none for native or hierarchical) and, for an
+    all-reduce sized from bounds, of its gather phase. A call with bounds (``bounded``: the same
+    bounds every step, a DDP bucket) decides and plans once per bounds table."""
+    if bounded:
+        corrected = tuple(sorted(factors.items())) if factors else ()
+        bounded_key = (collective, key, dtype, layout, topology, rank, corrected, counts.table.tobytes())
+        planned = _bounded_plans.get(bounded_key)
+        if planned is not None:
+            return planned
+    choice, weighed = decide(
+        config,
+        key,
+        counts.summary(layout, topology),
+        dtype,
+        model,
+        0 if bounded else 1,
+        factors,
+        default_group,
+        max(rounds, 1),
+        counts.table is not None,
+    )
+    if choice.algorithm == "hierarchical":
+        return choice, weighed, None, None
+    plan = plan_candidate(choice, collective, config, counts, layout, dtype, topology, rank)
+    bound_gather = None  # an all-reduce's gather phase sized from the first exchange (or the bounds)
+    if collective == "all_reduce" and plan is not None and choice.gather_counts != "measured":
+        bound_gather = _gather_plan(choice, config, counts.reduced_bounds(), layout, dtype, topology, rank)
+    planned = (choice, weighed, plan, bound_gather)
+    if bounded:
+        if len(_bounded_plans) >= 64:
+            _bounded_plans.clear()
+        _bounded_plans[bounded_key] = planned
+    return planned
+
+
+def _execute(
+    collective: str,
+    choice: Candidate,
+    config: CollectiveConfig,
+    transport: P2PTransport,
+    plan: Plan | None,
+    bound_gather: Plan | None,
+    layout: ChunkLayout,
+    topology: Topology,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    aliased: bool,
+    sink: StatusSink,
+    xdev: torch.Tensor | None,
+) -> tuple[Plan | None, int]:
+    """Run the chosen candidate: native, or this rank's plan through the executors of its
+    algorithm. Returns the whole plan run (an all-reduce: both phases; native: ``None``) and the
+    extra count exchanges it made (1 for an all-reduce that measured its gather phase)."""
+    r = transport.rank
+    if choice.algorithm == "native":
+        _native(collective, transport, x, y)
+        return None, 0
+    own = layout.chunks[r]
+    if collective == "all_gather":
+        copy_own = None if aliased else functools.partial(y[own.start : own.stop].copy_, x)
+        _gather_phase(choice.algorithm, transport, plan, layout, y, x, own.start, sink, copy_own=copy_own)
+        return plan, 0
+    if collective == "reduce_scatter":
+        _scatter_phase(choice.algorithm, transport, plan, layout, x, y, sink, aliased)
+        return plan, 0
+    # all-reduce: sized for what the sums can hold (no second exchange), or after measuring below
+    gather, extra = bound_gather, 0
+    if choice.algorithm == "direct" and gather is not None:  # both phases known: interleaved by wave
+        direct_all_reduce(transport, plan.steps[0], gather.steps[0], layout, x, sink)
+    else:
+        held = _scatter_phase(choice.algorithm, transport, plan, layout, x, None, sink, False)
+        if gather is None:  # measured: count the reduced chunk and exchange again
+            reduced = exchange_reduced_counts(transport, count_nonzero_pieces(x, layout, [r], base=0), xdev)
+            extra = 1
+            gather = _gather_plan(choice, config, reduced, layout, x.dtype, topology, r, measured=True)
+        _gather_phase(choice.algorithm, transport, gather, layout, x, x, 0, sink, held)
+    return plan.then(gather), extra
 
 
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -171,25 +171,17 @@ def plan_direct_reduce_scatter_for(
     sigma = 1.0 - count / geo.n  # sparsities(): every piece here has elements
     exact = np.ones(len(count), dtype=bool)
     sized = _packed_sizes(fmt, element_size(dtype), geo.n, geo.meta, count, sigma, tau)
-    messages = _messages(
-        fmt,
-        dtype,
-        True,
-        geo.src,
-        geo.dst,
-        geo.chunk,
-        geo.piece,
-        geo.start,
-        geo.n,
-        count,
-        exact,
-        sigma,
-        tau,
-        geo.inter,
-        sized=sized,
-    )
+    messages = _direct_messages(fmt, dtype, geo, count, exact, sigma, tau, sized)
     step = Step(Phase.REDUCE_SCATTER, 0, Route.ALL_TO_ALL, messages)
     return Plan(collective, "direct", fmt, dtype, layout, topology, (step,), rank)
+
+
+def _direct_messages(fmt, dtype, geo: _Direct, count, exact, sigma, tau, sized) -> Messages:
+    """A direct step's messages: its geometry's fields with these counts, estimates and sizes."""
+    g = geo
+    return _messages(
+        fmt, dtype, True, g.src, g.dst, g.chunk, g.piece, g.start, g.n, count, exact, sigma, tau, g.inter, sized=sized
+    )
 
 
 class _Direct(NamedTuple):
@@ -338,22 +330,15 @@ def plan_all_gather_for(
     waves = tuple(map(tuple, np.where(n > 0, sizes, 0).T.tolist()))
     geo = _direct_geometry(rank, layout, topology, gather=True)
     at = geo.counted
-    messages = _messages(
+    messages = _direct_messages(
         fmt,
         dtype,
-        True,
-        geo.src,
-        geo.dst,
-        geo.chunk,
-        geo.piece,
-        geo.start,
-        geo.n,
+        geo,
         payload.ravel()[at],
         np.full(len(at), measured),
         sigma_all.ravel()[at],
         np.full(len(at), threshold),
-        geo.inter,
-        sized=(sparse.ravel()[at], sizes.ravel()[at], dense.ravel()[at]),
+        (sparse.ravel()[at], sizes.ravel()[at], dense.ravel()[at]),
     )
     padded = padded_slot(waves, p)
     route = Route.ALL_GATHER if padded else Route.P2P
