@@ -24,9 +24,7 @@ without an active exception"). Importing this module imports that one first, so 
 happens while there is no group.
 """
 
-import contextlib
 import dataclasses
-import itertools
 import queue
 import threading
 import weakref
@@ -36,8 +34,9 @@ import torch.distributed as dist
 import torch.distributed.nn.functional
 
 from ._timing import Span
-from .collectives import CollectiveConfig, all_reduce
-from .pruning import PruneConfig, Pruner, PruneResult, check_capacity_factor, piece_caps
+from .collectives import CollectiveConfig
+from .pruning import PruneConfig, Pruner, PruneResult, check_capacity_factor
+from .reducer import BucketReducer, BucketState
 
 __all__ = [
     "RECOMMENDED_BUCKET_CAP_MB",
@@ -50,10 +49,6 @@ __all__ = [
 
 RECOMMENDED_BUCKET_CAP_MB = 256
 """DDP bucket size for sparse all-reduce: large messages amortise the per-call planning exchange."""
-
-
-_graph_scopes = itertools.count()
-"""Numbers the sparse hook states, to tag their buckets' CUDA graphs (``cuda_graphs``)."""
 
 
 class SummaryRatios:
@@ -152,33 +147,15 @@ class SparseHookState:
     """
 
     __slots__ = (
-        # user-tuned
         "process_group",
-        "prune",
-        "pruner",
-        "collective_config",
+        "reducer",  # prune, cap, bound, reduce, count: shared with the Megatron integration
         "dense_iterations",
         "overlap",
-        "capacity_factor",
-        # internal
         "iteration",
+        "buckets",  # bucket index -> BucketState (error buffer, last pruning, validation)
         "_reducer",
         "_streams",
         "planning_group",
-        "error_buffers",
-        "last_prune",  # bucket index -> the latest PruneResult (threshold, kept)
-        "_validated",  # (bucket index, numel) reduced once with the planning exchange
-        "_graph_scope",  # tags this state's buckets' CUDA graphs apart from another state's
-        # statistics
-        "_sparse_calls",
-        "_elements",
-        "_kept",
-        "_bytes_sent",
-        "_dense_bytes",
-        "_prune_spans",
-        "_allreduce_spans",
-        "_deferred",
-        "_exchanges",
     )
 
     def __init__(
@@ -207,8 +184,7 @@ class SparseHookState:
                 "so reduce at least 1 iteration densely"
             )
         self.process_group = process_group
-        self.prune = prune
-        self.pruner = Pruner(
+        pruner = Pruner(
             PruneConfig(
                 density=density,
                 sample_fraction=sample_fraction,
@@ -218,47 +194,73 @@ class SparseHookState:
                 warmup_steps=warmup_steps,
             )
         )
-        self.collective_config = collective_config or CollectiveConfig(format=format, algorithm=algorithm)
+        config = collective_config or CollectiveConfig(format=format, algorithm=algorithm)
+        self.reducer = BucketReducer(pruner, prune, config, capacity_factor, "ddp")
         self.dense_iterations = dense_iterations
         if overlap not in (True, False, None, "stream"):
             raise ValueError(f"overlap={overlap!r} must be False, True, None (True on CUDA) or 'stream'")
         self.overlap = overlap
-        self.capacity_factor = capacity_factor
-        self._validated: set[tuple[int, int]] = set()
         self._reducer: _Reducer | None = None
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self.planning_group = planning_group
         self.iteration = 0
-        self._graph_scope = next(_graph_scopes)  # equal on every rank that makes its states in one order
-        self.error_buffers: dict[int, torch.Tensor] = {}
-        self.last_prune: dict[int, PruneResult] = {}
-        self.reset_stats()
+        self.buckets: dict[int, BucketState] = {}
+
+    @property
+    def pruner(self) -> Pruner:
+        """The pruner (its config: density, warm-up, sampling, error feedback)."""
+        return self.reducer.pruner
+
+    @property
+    def prune(self) -> bool:
+        """Whether buckets are pruned before their sparse all-reduce."""
+        return self.reducer.prune
+
+    @property
+    def collective_config(self) -> CollectiveConfig:
+        """The sparse all-reduce's config."""
+        return self.reducer.config
+
+    @property
+    def capacity_factor(self) -> float | None:
+        """The per-piece cap factor (``None``: every all-reduce plans from exchanged counts)."""
+        return self.reducer.capacity_factor
+
+    @property
+    def error_buffers(self) -> dict[int, torch.Tensor]:
+        """Each bucket's error buffer, by bucket index."""
+        return {i: b.error for i, b in self.buckets.items() if b.error is not None}
+
+    @property
+    def last_prune(self) -> dict[int, PruneResult]:
+        """Each bucket's latest pruning pass (threshold, kept), by bucket index."""
+        return {i: b.last_prune for i, b in self.buckets.items() if b.last_prune is not None}
+
+    def bucket(self, index: int) -> BucketState:
+        """Bucket ``index``'s state (made on first use)."""
+        state = self.buckets.get(index)
+        if state is None:
+            state = self.buckets[index] = BucketState(index=index)
+        return state
 
     def reset_stats(self) -> None:
         """Zero the statistics (not the error buffers)."""
-        self._sparse_calls = 0
-        self._elements = 0
-        self._kept: torch.Tensor | int = 0
-        self._bytes_sent = 0
-        self._dense_bytes = 0
-        self._prune_spans: list[Span] = []
-        self._allreduce_spans: list[object] = []
-        self._deferred: torch.Tensor | int = 0
-        self._exchanges = 0
+        self.reducer.reset_stats()
 
     def summary(self) -> HookSummary:
         """Totals so far. Reads device timers and counters: call it off the hot path."""
+        t = self.reducer.totals()
         return HookSummary(
             iterations=self.iteration,
-            sparse_calls=self._sparse_calls,
-            elements=self._elements,
-            kept=int(self._kept),
-            bytes_sent=self._bytes_sent,
-            dense_bytes=self._dense_bytes,
-            prune_seconds=sum(span.seconds() for span in self._prune_spans),
-            allreduce_seconds=sum(stats.elapsed_s for stats in self._allreduce_spans),
-            deferred=int(self._deferred),
-            exchanges=self._exchanges,
+            sparse_calls=t.reductions,
+            elements=t.elements,
+            kept=t.kept,
+            bytes_sent=t.bytes_sent,
+            dense_bytes=t.dense_bytes,
+            prune_seconds=t.prune_seconds,
+            allreduce_seconds=t.reduce_seconds,
+            deferred=t.deferred,
+            exchanges=t.exchanges,
         )
 
     def decode_failures(self) -> int:
@@ -266,7 +268,7 @@ class SparseHookState:
 
         With ``capacity_factor`` the bounds hold by construction, so anything but 0 is a bug to report.
         """
-        return sum(1 for stats in self._allreduce_spans if stats.decode_status is not None and int(stats.decode_status))
+        return self.reducer.totals().decode_failures
 
     def in_line(self, on_cuda: bool) -> bool:
         """Whether :func:`sparse_allreduce_hook` prunes and reduces a bucket on the calling
@@ -286,7 +288,7 @@ class SparseHookState:
 
     def bounded(self, index: int, numel: int) -> bool:
         """True when bucket ``index`` of ``numel`` elements is all-reduced from bounds (no host synchronisation)."""
-        return self.capacity_factor is not None and (index, numel) in self._validated
+        return self.reducer.bounded(self.bucket(index), numel)
 
     def _side_streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         """``(planning, data)`` streams of ``overlap="stream"``, made once."""
@@ -304,16 +306,13 @@ class SparseHookState:
 
     def error_buffer(self, index: int, bucket_buffer: torch.Tensor) -> torch.Tensor:
         """The error buffer of bucket ``index`` (made, or remade if the bucket changed shape)."""
-        error = self.error_buffers.get(index)
-        if error is None or error.shape != bucket_buffer.shape or error.device != bucket_buffer.device:
-            error = self.error_buffers[index] = self.pruner.new_error_buffer(bucket_buffer)
-        return error
+        return self.reducer.error_buffer(self.bucket(index), bucket_buffer)
 
     def __getstate__(self) -> dict:
         return {
             slot: getattr(self, slot)
             for slot in self.__slots__
-            if slot not in ("process_group", "_reducer", "_streams", "planning_group", "_graph_scope")
+            if slot not in ("process_group", "_reducer", "_streams", "planning_group")
         }
 
     def __setstate__(self, state: dict) -> None:
@@ -321,7 +320,6 @@ class SparseHookState:
         self._reducer = None
         self._streams = None
         self.planning_group = None
-        self._graph_scope = next(_graph_scopes)  # a copy must not replay the original's graphs
         for slot, value in state.items():
             setattr(self, slot, value)
 
@@ -386,50 +384,16 @@ def _reduce_sparse(
     planning_group: dist.ProcessGroup | None = None,
     planning_stream: torch.cuda.Stream | None = None,
 ) -> torch.Tensor:
-    bounded = state.bounded(index, buffer.numel())
-    if bounded:  # nothing to plan ahead: prune, cap and reduce on the current stream
-        planning_group = planning_stream = None
-    capped = None
-    with torch.cuda.stream(planning_stream) if planning_stream is not None else contextlib.nullcontext():
-        if state.prune:
-            span = Span(buffer.device)
-            error = state.error_buffer(index, buffer)
-            schedule_step = iteration - state.dense_iterations
-            if state.capacity_factor is not None:
-                density = state.pruner.config.density_at(schedule_step)
-                capped = piece_caps(
-                    buffer.numel(), world, state.collective_config.channels, density, state.capacity_factor
-                )
-            result = state.pruner.prune(
-                buffer, error, step=iteration, buffer=index, schedule_step=schedule_step, caps=capped
-            )
-            if result.deferred is not None:
-                state._deferred = state._deferred + result.deferred
-            span.stop()
-            state._prune_spans.append(span)
-            state.last_prune[index] = result
-            state._kept = state._kept + result.kept
-        else:
-            state._kept = state._kept + buffer.numel()
-    work = all_reduce(
+    work = state.reducer.reduce(
+        state.bucket(index),
         buffer,
         group=group,
-        async_op=True,
-        config=state.collective_config,
+        world=world,
+        step=iteration,
+        schedule_step=iteration - state.dense_iterations,  # the warm-up counts from the first sparse iteration
         planning_group=planning_group,
         planning_stream=planning_stream,
-        bounds=[list(capped[1])] * world if bounded else None,
-        graph_tag=("ddp", state._graph_scope, index),
     )
-    stats = work.stats
-    if state.capacity_factor is not None:
-        state._validated.add((index, buffer.numel()))  # every rank's bucket agreed in the exchange
-    state._sparse_calls += 1
-    state._exchanges += stats.exchanges
-    state._elements += buffer.numel()
-    state._bytes_sent += stats.bytes_sent
-    state._dense_bytes += stats.dense_bytes
-    state._allreduce_spans.append(stats)
     work.wait()
     return buffer.div_(world)
 

@@ -291,7 +291,7 @@ def test_state_validates_and_pickles_without_its_group():
     assert copy.process_group is None and copy.pruner.config.density == 0.02
     assert copy.pruner.config.warmup_steps == 5
     assert isinstance(copy.summary(), HookSummary)
-    assert copy._graph_scope != state._graph_scope  # a copy tags its CUDA graphs apart from the original's
+    assert copy.reducer.scope != state.reducer.scope  # a copy tags its CUDA graphs apart from the original's
 
 
 _GROUP_FREED = """

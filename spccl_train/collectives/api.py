@@ -130,6 +130,12 @@ class CollectiveStats:
         return None if self._statuses is None else StatusSink.fold(self._statuses)
 
     @property
+    def decode_failed(self) -> torch.Tensor | None:
+        """Whether any decoder of this rank reported a bad payload: a 0-dim bool tensor on the
+        device, made without a synchronisation (two small kernels); ``None`` for local calls."""
+        return None if self._statuses is None else (self._statuses != 0).any()
+
+    @property
     def elapsed_s(self) -> float:
         """Measured seconds from the call to the end of its work (on CUDA this waits for the work)."""
         return self._timer.seconds()

@@ -1,0 +1,260 @@
+"""One bucket's sparse reduction, the same for every engine: prune, cap, bound, reduce, count.
+
+The DDP comm hook (:mod:`spccl_train.ddp`) and the Megatron integration
+(:mod:`spccl_train.megatron`) hand each gradient bucket to a :class:`BucketReducer`, which
+
+1. prunes it with error feedback (the bucket's own error buffer, made on first use and remade
+   when the bucket changes shape or device), to the density of its schedule step;
+2. with a ``capacity_factor``, caps each piece the collective will cut (:func:`~.pruning.piece_caps`)
+   and, once an exchange has checked the bucket on every rank, plans the call from those caps
+   (no host synchronisation);
+3. calls the sparse all-reduce (or reduce-scatter into a shard), its CUDA graph tagged by engine,
+   reducer and bucket;
+4. adds what the call did to its totals (:class:`Totals`): the engines' summaries are views of them.
+
+What differs between engines stays with them: when a bucket is dense (warm-up), averaging, and
+where the call runs (the DDP hook's side streams and planning group are arguments here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from ._timing import Span
+from .collectives import CollectiveConfig, CollectiveStats, CollectiveWork, all_reduce, reduce_scatter_tensor
+from .pruning import Pruner, PruneResult, piece_caps
+
+__all__ = ["BucketState", "BucketReducer", "Totals"]
+
+_scopes = itertools.count()
+"""Numbers the reducers, to tag their buckets' CUDA graphs apart."""
+
+PENDING_TIMERS = 1024
+"""Timers kept unread; past this the older half is read (long finished, so reading waits for nothing)."""
+
+
+@dataclasses.dataclass(slots=True)
+class BucketState:
+    """What a reducer keeps for one bucket."""
+
+    index: int
+    """The bucket's number, equal on every rank (it seeds the threshold sampling and tags its graph)."""
+    reductions: int = 0
+    """Reductions so far, dense warm-up included (the engine counts them)."""
+    error: torch.Tensor | None = None
+    """Error-feedback buffer (the bucket's shape, ``pruning.error_dtype``); made at the first pruning."""
+    last_prune: PruneResult | None = None
+    """The latest pruning pass (threshold, kept count; tensors on the device)."""
+    validated: tuple[int, str] | None = None
+    """``capacity_factor``: ``(numel, collective)`` of the bucket's reduction once it was planned
+    with the exchange (every rank's bucket agreed); later ones are planned from the caps."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Totals:
+    """What a reducer's sparse reductions did, since it was made or reset."""
+
+    reductions: int
+    """Sparse reductions (all-reduces and reduce-scatters)."""
+    elements: int
+    """Gradient elements that went through SpCCL."""
+    kept: int
+    """Elements kept by pruning (all elements when pruning is off)."""
+    bytes_sent: int
+    """Bytes this rank sent."""
+    dense_bytes: int
+    """Bytes a dense ring would have sent for the same calls."""
+    prune_seconds: float
+    """Time in pruning (device time on CUDA)."""
+    reduce_seconds: float
+    """Time from issuing each reduction to its completion."""
+    deferred: int
+    """Elements pruning kept that the capacity bound left in the error buffers for later."""
+    exchanges: int
+    """Planning exchanges (host synchronisations)."""
+    decode_failures: int
+    """Reductions whose decoders reported a bad payload (0 unless something is wrong)."""
+
+
+class BucketReducer:
+    """Prunes and reduces buckets, and keeps their totals (see the module docstring).
+
+    Args:
+        pruner: the pruner (its config: density, warm-up, sampling, error feedback).
+        prune: ``False`` reduces the buckets as they are (an exact sparse reduction).
+        config: the collective's config.
+        capacity_factor: ``None``, or the per-piece cap factor ``f >= 1`` (needs ``prune``).
+        engine: names the engine in the buckets' CUDA graph tags (``"ddp"``, ``"megatron"``).
+    """
+
+    __slots__ = (
+        "pruner",
+        "prune",
+        "config",
+        "capacity_factor",
+        "engine",
+        "scope",
+        "_reductions",
+        "_elements",
+        "_kept",
+        "_deferred",
+        "_exchanges",
+        "_bytes_sent",
+        "_dense_bytes",
+        "_prune_seconds",
+        "_reduce_seconds",
+        "_decode_failures",
+        "_prune_spans",
+        "_stats",
+    )
+
+    def __init__(
+        self, pruner: Pruner, prune: bool, config: CollectiveConfig, capacity_factor: float | None, engine: str
+    ) -> None:
+        self.pruner = pruner
+        self.prune = prune
+        self.config = config
+        self.capacity_factor = capacity_factor
+        self.engine = engine
+        self.scope = next(_scopes)  # equal on every rank that makes its reducers in one order
+        self.reset_stats()
+
+    def __getstate__(self) -> dict:
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in ("scope", "_prune_spans", "_stats")}
+
+    def __setstate__(self, state: dict) -> None:
+        for slot, value in state.items():
+            setattr(self, slot, value)
+        self.scope = next(_scopes)  # a copy must not replay the original's graphs
+        self._prune_spans, self._stats = [], []  # device timers stay with the original
+
+    def reset_stats(self) -> None:
+        """Zero the totals (not the buckets' error buffers)."""
+        self._reductions = self._elements = self._exchanges = self._bytes_sent = self._dense_bytes = 0
+        self._kept: torch.Tensor | int = 0
+        self._deferred: torch.Tensor | int = 0
+        self._prune_seconds = self._reduce_seconds = 0.0
+        self._decode_failures: torch.Tensor | int = 0
+        self._prune_spans: list[Span] = []
+        self._stats: list[CollectiveStats] = []
+
+    def totals(self) -> Totals:
+        """The totals so far. Reads device timers and counters: call it off the hot path."""
+        self._fold(keep=0)
+        return Totals(
+            reductions=self._reductions,
+            elements=self._elements,
+            kept=int(self._kept),
+            bytes_sent=self._bytes_sent,
+            dense_bytes=self._dense_bytes,
+            prune_seconds=self._prune_seconds,
+            reduce_seconds=self._reduce_seconds,
+            deferred=int(self._deferred),
+            exchanges=self._exchanges,
+            decode_failures=int(self._decode_failures),
+        )
+
+    def _fold(self, keep: int) -> None:
+        """Read all but the newest ``keep`` timers and statuses of each kind into the totals."""
+        old = max(len(self._prune_spans) - keep, 0)
+        self._prune_seconds += sum(span.seconds() for span in self._prune_spans[:old])
+        del self._prune_spans[:old]
+        old = max(len(self._stats) - keep, 0)
+        failed = [flag for flag in (stats.decode_failed for stats in self._stats[:old]) if flag is not None]
+        if failed:  # counted on the device: folding in the hot path must not synchronise
+            self._decode_failures = self._decode_failures + torch.stack(failed).sum()
+        self._reduce_seconds += sum(stats.elapsed_s for stats in self._stats[:old])
+        del self._stats[:old]
+
+    def bounded(self, bucket: BucketState, numel: int, collective: str = "all_reduce") -> bool:
+        """Whether the bucket's next reduction is planned from its caps (no host synchronisation)."""
+        return self.capacity_factor is not None and bucket.validated == (numel, collective)
+
+    def error_buffer(self, bucket: BucketState, tensor: torch.Tensor) -> torch.Tensor:
+        """The bucket's error buffer (made, or remade if the bucket changed shape or device)."""
+        error = bucket.error
+        if error is None or error.shape != tensor.shape or error.device != tensor.device:
+            error = bucket.error = self.pruner.new_error_buffer(tensor)
+        return error
+
+    def reduce(
+        self,
+        bucket: BucketState,
+        tensor: torch.Tensor,
+        *,
+        group: dist.ProcessGroup | None,
+        world: int,
+        step: int,
+        schedule_step: int,
+        shard: torch.Tensor | None = None,
+        planning_group: dist.ProcessGroup | None = None,
+        planning_stream: torch.cuda.Stream | None = None,
+    ) -> CollectiveWork:
+        """Prune ``tensor`` (the bucket's gradients, in place) and sum it over ``group``.
+
+        All-reduce in place when ``shard`` is ``None``, else reduce-scatter into ``shard`` (this
+        rank's slice of ``tensor``). ``step`` seeds the sampling; ``schedule_step`` picks the
+        density (the warm-up counts from the first sparse reduction). ``planning_group`` and
+        ``planning_stream``: where the pruning and the planning exchange run (an all-reduce
+        only; a bounded reduction has nothing to plan and runs on the current stream).
+        Returns the asynchronous work.
+        """
+        collective = "all_reduce" if shard is None else "reduce_scatter"
+        numel = tensor.numel()
+        bounded = self.bounded(bucket, numel, collective)
+        if bounded:  # nothing to plan ahead: prune, cap and reduce on the current stream
+            planning_group = planning_stream = None
+        capped = None
+        with torch.cuda.stream(planning_stream) if planning_stream is not None else contextlib.nullcontext():
+            if self.prune:
+                span = Span(tensor.device)
+                error = self.error_buffer(bucket, tensor)
+                if self.capacity_factor is not None:
+                    density = self.pruner.config.density_at(schedule_step)
+                    channels = self.config.channels
+                    capped = piece_caps(numel, world, channels, density, self.capacity_factor, collective)
+                result = self.pruner.prune(
+                    tensor, error, step=step, buffer=bucket.index, schedule_step=schedule_step, caps=capped
+                )
+                if result.deferred is not None:
+                    self._deferred = self._deferred + result.deferred
+                span.stop()
+                self._prune_spans.append(span)
+                bucket.last_prune = result
+                self._kept = self._kept + result.kept
+            else:
+                self._kept = self._kept + numel
+        bounds = [list(capped[1])] * world if bounded else None
+        tag = (self.engine, self.scope, bucket.index)  # the bucket's CUDA graph (config.cuda_graphs)
+        if shard is None:
+            work = all_reduce(
+                tensor,
+                group=group,
+                async_op=True,
+                config=self.config,
+                planning_group=planning_group,
+                planning_stream=planning_stream,
+                bounds=bounds,
+                graph_tag=tag,
+            )
+        else:
+            work = reduce_scatter_tensor(
+                shard, tensor, group=group, async_op=True, config=self.config, bounds=bounds, graph_tag=tag
+            )
+        if capped is not None:
+            bucket.validated = (numel, collective)  # every rank's bucket agreed in the exchange
+        stats = work.stats
+        self._reductions += 1
+        self._exchanges += stats.exchanges
+        self._elements += numel
+        self._bytes_sent += stats.bytes_sent
+        self._dense_bytes += stats.dense_bytes
+        self._stats.append(stats)
+        if len(self._stats) > PENDING_TIMERS:
+            self._fold(keep=PENDING_TIMERS // 2)
+        return work
