@@ -24,7 +24,8 @@ from _pool import pool_factory
 from test_collectives import DTYPES, INT_OF, SEED, _check_sum, _digest, _inputs, _lengths, _run_one, _seed
 
 import spccl_train
-from spccl_train.collectives import CollectiveConfig, CostModel, Topology, choose, last_stats
+from spccl_train.collectives import CollectiveConfig, CostModel, Topology, choose, hierarchical, last_stats
+from spccl_train.collectives.choice import clear_decisions
 from spccl_train.collectives.chunking import ChunkLayout
 from spccl_train.collectives.cost import CodecCost, LinkCost
 
@@ -198,6 +199,18 @@ def test_auto_weighs_the_hierarchical_all_reduce_by_the_network():
     table = [[round(0.05 * p.numel) for chunk in layout.pieces for p in chunk] for _ in range(32)]
     _, weighed = choose("all_reduce", CollectiveConfig(), table, layout, torch.float32, Topology(32, 8), _model(2e9))
     assert "hierarchical" not in weighed
+
+
+def test_the_hierarchical_steps_weighing_is_memoised_and_the_memo_is_pure():
+    clear_decisions()
+    first = _weigh(32, 8, 0.05, inter_bandwidth=2e9)[1]["hierarchical"]
+    assert hierarchical._steps, "the steps' weighings are kept"
+    again = _weigh(32, 8, 0.05, inter_bandwidth=2e9)[1]["hierarchical"]  # from the memo
+    hierarchical.clear_steps()
+    fresh = _weigh(32, 8, 0.05, inter_bandwidth=2e9)[1]["hierarchical"]  # recomputed
+    assert first == again == fresh
+    clear_decisions()
+    assert not hierarchical._steps
 
 
 def _job_auto_hierarchical(rank, world, seed, rpn):

@@ -248,9 +248,12 @@ def decide(
     return hit
 
 
-def clear_decisions() -> None:
-    """Forget every memoised decision (for measurements of the weighing itself)."""
+def clear_decisions(steps: bool = True) -> None:
+    """Forget every memoised decision, and (``steps``) the hierarchical steps' weighings (for
+    measurements of the weighing itself)."""
     _decisions.clear()
+    if steps:
+        hierarchical.clear_steps()
 
 
 def plan_candidate(

@@ -62,6 +62,7 @@ from .topology import Topology
 __all__ = [
     "applies",
     "check_hierarchy",
+    "clear_steps",
     "hierarchical_all_gather",
     "hierarchical_all_reduce",
     "hierarchical_reduce_scatter",
@@ -122,6 +123,12 @@ def predict(
     within, across = _within(config), _across(config)
 
     def best(collective: str, cfg: CollectiveConfig, numel: int, world: int, rows: np.ndarray, rpn) -> tuple:
+        # a pure function of these inputs: memoised, since the node densities repeat while the
+        # flat call's profile changes (every rank holds the same memo entries)
+        key = (collective, cfg.fingerprint(), numel, world, layout.channels, rows.tobytes(), rpn, dtype, model, weigh)
+        hit = _steps.get(key)
+        if hit is not None:
+            return hit
         sub = ChunkLayout.of(collective, numel, world, layout.channels)
         sizes = np.array([piece.numel for chunk in sub.pieces for piece in chunk], dtype=np.float64)
         if collective == "all_gather":  # a row's first pieces are its input's
@@ -131,7 +138,10 @@ def predict(
         whole = how == "table" or cfg.algorithm == "ring"
         rounds = exchange_rounds(how, collective, cfg.algorithm == "ring")
         chosen, _ = weigh(collective, cfg, table, sub, dtype, Topology(world, rpn), model, rounds=rounds, rings=whole)
-        return chosen.predicted_s, chosen.algorithm != "native"
+        if len(_steps) >= _MAX_STEPS:
+            _steps.clear()  # a pure memo: forgetting only costs a recomputation
+        hit = _steps[key] = (chosen.predicted_s, chosen.algorithm != "native")
+        return hit
 
     densest = max(range(nodes), key=lambda k: sum(by_node[k]))
     steps = [
@@ -140,6 +150,16 @@ def predict(
         best("all_gather", within, padded, local, np.full(local, total), None),
     ]
     return sum(t for t, _ in steps), any(sparse for _, sparse in steps)
+
+
+_MAX_STEPS = 1024
+_steps: dict[tuple, tuple[float, bool]] = {}
+""":func:`predict`'s step weighings by their inputs."""
+
+
+def clear_steps() -> None:
+    """Forget every memoised step weighing (with :func:`~.choice.clear_decisions`)."""
+    _steps.clear()
 
 
 def is_world(group: dist.ProcessGroup | None) -> bool:
