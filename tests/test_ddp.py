@@ -16,6 +16,7 @@ from _pool import pool_factory
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from spccl_train import reducer as reducer_module
 from spccl_train.ddp import HookSummary, SparseHookState, sparse_allreduce_hook
 from spccl_train.pruning import piece_caps
 
@@ -353,3 +354,31 @@ def test_the_backward_pass_waits_for_pruning_in_line_and_when_a_side_stream_plan
     assert waits("stream", None, True)  # the planning exchange waits on the host for the side stream's pruning
     assert not waits("stream", 4.0, True)  # from bounds: nothing waits for the side stream
     assert not waits(True, None, True) and not waits(None, None, True)  # a background thread waits instead
+
+
+class _FinishedCall:
+    """A finished call's stats as the reducer reads them: its time and its decoders' verdict."""
+
+    def __init__(self, seconds: float, failed: bool | None) -> None:
+        self.elapsed_s = seconds
+        self.decode_failed = None if failed is None else torch.tensor(failed)
+
+
+def test_reducer_folds_old_timers_into_its_totals_without_losing_any(monkeypatch):
+    # past PENDING_TIMERS pending calls the older half is folded into the totals (in the hot path,
+    # without a synchronisation); the totals read then must equal those of keeping everything
+    monkeypatch.setattr(reducer_module, "PENDING_TIMERS", 4)
+    state = SparseHookState(density=0.5)
+    red = state.reducer
+    calls = [_FinishedCall(0.5 * (i + 1), failed) for i, failed in enumerate([False, True, None, True, False, False])]
+    for call in calls:
+        red._stats.append(call)
+        if len(red._stats) > reducer_module.PENDING_TIMERS:
+            red._fold(keep=reducer_module.PENDING_TIMERS // 2)
+    assert len(red._stats) < len(calls)  # some were folded
+    totals = red.totals()
+    assert totals.reduce_seconds == pytest.approx(sum(c.elapsed_s for c in calls))
+    assert totals.decode_failures == 2 == state.decode_failures()
+    assert state.summary().allreduce_seconds == pytest.approx(totals.reduce_seconds)
+    state.reset_stats()
+    assert state.reducer.totals().decode_failures == 0 and state.summary().allreduce_seconds == 0.0
