@@ -69,13 +69,13 @@ class _Geometry:
 
     n: np.ndarray
     """``n[c, k]``: elements of piece ``k`` of chunk ``c``."""
-    sent_elems: np.ndarray
-    sent_msgs: np.ndarray
-    recv_elems: np.ndarray
-    recv_msgs: np.ndarray
-    sent_meta: np.ndarray
-    """Pici metadata bytes of the messages a rank sends, by hop kind (its fixed cost per piece)."""
-    recv_meta: np.ndarray
+    elems: np.ndarray
+    """``elems[d, h, q]``: elements rank ``q`` sends (``d = 0``) to, or receives (``d = 1``) from,
+    the other ranks over hop kind ``h``: a direct reduce-scatter's both directions in one array."""
+    msgs: np.ndarray
+    """The same in messages (nonempty pieces)."""
+    meta: np.ndarray
+    """The same in Pici metadata bytes (a message's fixed cost)."""
     kinds: tuple[int, ...]
     """Hop kinds a ring step uses (0: inside a node, 1: across nodes)."""
     ring_pairs: tuple[tuple[int, int], ...]
@@ -83,11 +83,6 @@ class _Geometry:
     ``q + 1`` and receives from ``q - 1``."""
     peers: np.ndarray
     """``peers[h, q]``: other ranks of hop kind ``h`` from rank ``q``."""
-    elems: np.ndarray
-    """``elems[d, h, q]``: ``sent_elems`` (``d = 0``) and ``recv_elems`` (``d = 1``) stacked; likewise
-    ``msgs``, ``meta``: a direct reduce-scatter's both directions in one array."""
-    msgs: np.ndarray
-    meta: np.ndarray
     waves: int
     """Piece indices a chunk has: a direct step's exchanges."""
 
@@ -96,13 +91,13 @@ class _Geometry:
 def _geometry(layout: ChunkLayout, topology: Topology) -> _Geometry:
     p = layout.world
     n = piece_arrays(layout)[0]
-    elems = np.broadcast_to(n.sum(1), (p, p))
-    msgs = np.broadcast_to((n > 0).sum(1), (p, p))
-    sent_elems, recv_elems = _by_kind(elems, topology)
-    sent_msgs, recv_msgs = _by_kind(msgs, topology)
     tiles = -(-n // TILE)
     meta = np.where(n > 0, 512 * tiles + _align16(4 * (tiles + 1)), 0).sum(1)  # per chunk, all its pieces
-    sent_meta, recv_meta = _by_kind(np.broadcast_to(meta, (p, p)), topology)
+    # every rank holds all of every chunk: its elements, messages and metadata per hop kind, both directions
+    elems, msgs, meta = (
+        np.stack(_by_kind(np.broadcast_to(per_chunk, (p, p)), topology))
+        for per_chunk in (n.sum(1), (n > 0).sum(1), meta)
+    )
     rpn = topology.ranks_per_node
     local = p if rpn is None else min(rpn, p)
     kinds = tuple(h for h, used in ((_INTRA, local > 1), (_INTER, topology.nodes > 1)) if used)
@@ -110,22 +105,8 @@ def _geometry(layout: ChunkLayout, topology: Topology) -> _Geometry:
     ring_pairs = tuple(sorted({(hop[q], hop[q - 1]) for q in range(p)}))
     same = np.array([min(local, p - (q // local) * local) - 1 for q in range(p)], dtype=np.int64)
     peers = np.stack([same, p - 1 - same])
-    return _Geometry(
-        n,
-        sent_elems,
-        sent_msgs,
-        recv_elems,
-        recv_msgs,
-        sent_meta,
-        recv_meta,
-        kinds,
-        ring_pairs,
-        peers,
-        np.stack([sent_elems, recv_elems]),
-        np.stack([sent_msgs, recv_msgs]),
-        np.stack([sent_meta, recv_meta]),
-        int((n > 0).sum(1).max()) if layout.channels > 1 else 1,
-    )
+    waves = int((n > 0).sum(1).max()) if layout.channels > 1 else 1
+    return _Geometry(n, elems, msgs, meta, kinds, ring_pairs, peers, waves)
 
 
 def _by_kind(per_pair: np.ndarray, topology: Topology) -> tuple[np.ndarray, np.ndarray]:
@@ -231,8 +212,8 @@ def _rounding(collective: str, layout: ChunkLayout, topology: Topology, steps: i
         return _Rounding.of(geo.n.ravel(), steps)
     p = layout.world
     sizes = (
-        geo.sent_elems,
-        geo.recv_elems,
+        geo.elems[0],
+        geo.elems[1],
         max(1, p - 1) * geo.n.max(0),
         geo.n,
         geo.n,
