@@ -17,6 +17,12 @@ two events recorded from an idle GPU, median over ``--reps``; for kernels shorte
 launch this is the host's launch latency (Python, Triton's launcher, allocations), not GPU work.
 Without a GPU (``--smoke``, kernels in Triton's interpreter) there is no device timing and both
 columns hold the host time.
+Prune to the wire (``wire_*`` columns, the buckets of a ``--world``-rank all-reduce with ``--channels``
+pieces per chunk): ``encode_ms`` is the Pici encoding of every piece of an already pruned gradient
+(what the collective does after the prune pass), ``unfused_ms = prune_ms + encode_ms``, and
+``fused_ms`` the one pass of :meth:`~spccl_train.pruning.Pruner.prune_to_wire` that reads gradient and
+error once and writes the error and the payloads (``fused_frac_copy`` counts those bytes). Without the
+CUDA kernels the fused column times the torch reference.
 Writes ``pruning_<device>_<date>.csv`` into ``--out-dir``.
 """
 
@@ -48,9 +54,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from
 import benchlib  # noqa: E402 (a sibling module: the script's folder is on sys.path)
 
 from spccl_train._provenance import git_commit  # noqa: E402
+from spccl_train.collectives import ChunkLayout, EncodedPieces  # noqa: E402
+from spccl_train.formats import compress_into, payload_bytes  # noqa: E402
 from spccl_train.pruning import PruneConfig, Pruner, reference  # noqa: E402
 from spccl_train.pruning.prune_ef import prune_error_feedback  # noqa: E402
 from spccl_train.pruning.threshold import sampled_threshold  # noqa: E402
+from spccl_train.pruning.wire import prune_to_wire  # noqa: E402
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -151,6 +160,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=20, help="back-to-back calls per device-timed batch")
     parser.add_argument("--smoke", action="store_true", help="CPU, 64Ki elements")
+    parser.add_argument("--world", type=int, default=4, help="ranks of the all-reduce whose pieces are encoded")
+    parser.add_argument("--channels", type=int, default=2, help="pieces per chunk")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     device = "cuda" if cuda else "cpu"
@@ -166,8 +177,10 @@ def main() -> None:
     print(f"prune ms, sample ms: {timing}; host: one call between events, launch latency included\n")
     print(
         f"{'grad':>5} {'error':>5} {'prune ms':>9} {'GB/s':>7} {'/copy':>6} {'sample ms':>10} {'sample/prune':>13} "
-        f"{'host prune ms':>14} {'host sample ms':>15} {'host s/p':>9} {'density':>8}"
+        f"{'host prune ms':>14} {'host sample ms':>15} {'host s/p':>9} {'density':>8} "
+        f"{'encode ms':>10} {'unfused ms':>11} {'fused ms':>9} {'fused/copy':>11}"
     )
+    layout = ChunkLayout.of("all_reduce", n, args.world, args.channels)
     rows = []
     for grad_name, error_name in (("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")):
         error_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[error_name]
@@ -188,6 +201,23 @@ def main() -> None:
         kept = int(pruner.prune(grad, error, step=0).kept)
         moved = 2 * n * (grad.element_size() + error.element_size())
         gbps = moved / prune_ms / 1e6
+        # the wire: encode the pruned gradient piece by piece (unfused), or prune into the payloads (fused)
+        pieces = EncodedPieces.empty(layout, grad.dtype, grad.device)
+
+        def encode(pruned=grad, into=pieces):
+            for i, piece in enumerate(into.pieces):
+                compress_into("pici", pruned, into.payload(i), offset=piece.start, n=piece.numel, check=False)
+
+        encode_host_ms = _time_ms(encode, args.reps, cuda)
+        encode_ms = device_timer(encode, encode_host_ms) if device_timer else encode_host_ms
+        fresh = torch.randn(n, device=device).to(_DTYPES[grad_name])
+        fused = functools.partial(prune_to_wire, fresh.view(-1), error.view(-1), threshold, 0.9, pieces)
+        fused_host_ms = _time_ms(fused, args.reps, cuda)
+        fused_ms = device_timer(fused, fused_host_ms) if device_timer else fused_host_ms
+        payload = sum(
+            payload_bytes("pici", piece.numel, c, grad.dtype) for piece, c in zip(pieces.pieces, pieces.nnz.tolist())
+        )
+        fused_gbps = (n * (grad.element_size() + 2 * error.element_size()) + payload) / fused_ms / 1e6
         row = {
             "date": stamp,
             "device": name,
@@ -209,12 +239,22 @@ def main() -> None:
             "sample_host_ms": round(sample_host_ms, 4),
             "sample_over_prune_host": round(sample_host_ms / prune_host_ms, 4),
             "achieved_density": round(kept / n, 5),
+            "wire_world": args.world,
+            "wire_channels": args.channels,
+            "encode_ms": round(encode_ms, 4),
+            "unfused_ms": round(prune_ms + encode_ms, 4),
+            "fused_ms": round(fused_ms, 4),
+            "fused_gbps": round(fused_gbps, 1),
+            "fused_frac_copy": round(fused_gbps / copy_gbps, 3),
+            "fused_over_unfused": round(fused_ms / (prune_ms + encode_ms), 3),
+            "fused_host_ms": round(fused_host_ms, 4),
         }
         rows.append(row)
         print(
             f"{grad_name:>5} {error_name:>5} {prune_ms:>9.3f} {gbps:>7.0f} {gbps / copy_gbps:>6.2f} "
             f"{sample_ms:>10.3f} {sample_ms / prune_ms:>13.1%} {prune_host_ms:>14.3f} {sample_host_ms:>15.3f} "
-            f"{sample_host_ms / prune_host_ms:>9.1%} {kept / n:>8.4f}"
+            f"{sample_host_ms / prune_host_ms:>9.1%} {kept / n:>8.4f} {encode_ms:>10.3f} {prune_ms + encode_ms:>11.3f} "
+            f"{fused_ms:>9.3f} {fused_gbps / copy_gbps:>11.2f}"
         )
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -234,7 +274,10 @@ def main() -> None:
         f"targets (fp32, fp32 errors; {'device time' if cuda else 'host time, no GPU'}): prune pass >= 0.70 of copy: "
         f"{first['frac_copy']:.2f} {'PASS' if first['frac_copy'] >= 0.70 else 'FAIL'}; sampling < 5% of the pass: "
         f"{first['sample_over_prune']:.1%} {'PASS' if first['sample_over_prune'] < 0.05 else 'FAIL'} "
-        f"(host-inclusive, launch latency included: {first['sample_over_prune_host']:.1%})"
+        f"(host-inclusive, launch latency included: {first['sample_over_prune_host']:.1%}); prune + encode to the "
+        f"wire <= 0.85 ms per GiB of fp32: {first['fused_ms'] * (1 << 30) / (4 * n):.3f} ms/GiB "
+        f"{'PASS' if first['fused_ms'] * (1 << 30) / (4 * n) <= 0.85 else 'FAIL'} "
+        f"(unfused {first['unfused_ms'] * (1 << 30) / (4 * n):.3f})"
     )
 
 

@@ -196,8 +196,8 @@ struct TileRegisters {
 // Publish the nonzero count of a claimed tile held in registers, so that successors' look-backs
 // never wait for this block to reach the tile. Whole block; `warp_counts` has kThreads/32 slots.
 // Tile 0 publishes its count as its inclusive prefix.
-template <typename T>
-__device__ __forceinline__ void publish_count(const TileRegisters<T>& regs, int64_t tile,
+template <typename Regs>
+__device__ __forceinline__ void publish_count(const Regs& regs, int64_t tile,
                                               unsigned long long* status, uint32_t* warp_counts) {
   const uint32_t count = warp_sum(regs.count_nonzero());
   if ((threadIdx.x & 31) == 0) warp_counts[threadIdx.x >> 5] = count;
@@ -213,8 +213,8 @@ __device__ __forceinline__ void publish_count(const TileRegisters<T>& regs, int6
 // Barrier-free variant for a block busy with other work: each warp adds its count of the
 // claimed tile to `*sum`; the last of the block's warps to arrive publishes the total and
 // resets both counters for the next tile. Called once per warp, by whole warps.
-template <typename T>
-__device__ __forceinline__ void add_count_and_publish(const TileRegisters<T>& regs, int64_t tile,
+template <typename Regs>
+__device__ __forceinline__ void add_count_and_publish(const Regs& regs, int64_t tile,
                                                       unsigned long long* status, uint32_t* sum,
                                                       uint32_t* arrived) {
   const uint32_t count = warp_sum(regs.count_nonzero());

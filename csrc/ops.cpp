@@ -56,6 +56,33 @@ at::Tensor pici_compress_cuda(const at::Tensor& src, int64_t offset, int64_t n, 
   return nnz;
 }
 
+at::Tensor pici_prune_compress_cuda(const at::Tensor& grad, at::Tensor& error, int64_t offset, int64_t n,
+                                    const at::Tensor& threshold, double decay, at::Tensor& kept, at::Tensor& out) {
+  check_range(grad, "grad", offset, n);
+  check_range(error, "error", offset, n);
+  TORCH_CHECK(error.numel() == grad.numel() && error.device() == grad.device(), "spccl: error buffer of ",
+              error.numel(), " elements on ", error.device(), " does not match grad of ", grad.numel(), " on ",
+              grad.device());
+  TORCH_CHECK(threshold.device() == grad.device() && threshold.scalar_type() == at::kFloat && threshold.numel() == 1,
+              "spccl: threshold must be a one-element float32 tensor on ", grad.device());
+  TORCH_CHECK(kept.device() == grad.device() && kept.scalar_type() == at::kInt && kept.numel() == 1,
+              "spccl: kept must be a one-element int32 tensor on ", grad.device());
+  check_bytes(out, "out", grad);
+  TORCH_CHECK(out.numel() >= pici_metadata(n), "spccl: out holds ", out.numel(), " bytes, less than the ",
+              pici_metadata(n), "-byte Pici metadata for n=", n);
+  const c10::cuda::CUDAGuard guard(grad.device());
+  auto nnz = at::empty({1}, grad.options().dtype(at::kLong));
+  auto scratch = at::empty({compress_scratch_bytes(tiles_of(n))}, grad.options().dtype(at::kByte));
+  pici_prune_compress(static_cast<const uint8_t*>(grad.const_data_ptr()) + offset * grad.element_size(),
+                      elem_of(grad.scalar_type()),
+                      static_cast<uint8_t*>(error.mutable_data_ptr()) + offset * error.element_size(),
+                      elem_of(error.scalar_type()), n, threshold.const_data_ptr<float>(), float(decay),
+                      reinterpret_cast<unsigned int*>(kept.mutable_data_ptr<int32_t>()),
+                      out.mutable_data_ptr<uint8_t>(), out.numel(), scratch.mutable_data_ptr(),
+                      nnz.mutable_data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream());
+  return nnz;
+}
+
 at::Tensor coo_compress_cuda(const at::Tensor& src, int64_t offset, int64_t n, at::Tensor& out) {
   check_range(src, "src", offset, n);
   check_bytes(out, "out", src);
@@ -146,6 +173,9 @@ TORCH_LIBRARY(spccl, m) {
   m.def("pici_decompress(Tensor payload, int n, Tensor(a!) dst, int offset) -> Tensor");
   m.def("pici_decompress_patch(Tensor payload, int n, Tensor prior, Tensor(a!) dst, int offset) -> Tensor");
   m.def("pici_decompress_accumulate(Tensor payload, int n, ScalarType dtype, Tensor(a!) dst, int offset) -> Tensor");
+  m.def(
+      "pici_prune_compress(Tensor grad, Tensor(a!) error, int offset, int n, Tensor threshold, float decay, "
+      "Tensor(b!) kept, Tensor(c!) out) -> Tensor");
   m.def("coo_compress(Tensor src, int offset, int n, Tensor(a!) out) -> Tensor");
   m.def("coo_decompress(Tensor payload, Tensor nnz, int n, Tensor(a!) dst, int offset) -> Tensor");
   m.def(
@@ -158,6 +188,7 @@ TORCH_LIBRARY_IMPL(spccl, CUDA, m) {
   m.impl("pici_decompress", &pici_decompress_cuda);
   m.impl("pici_decompress_patch", &pici_decompress_patch_cuda);
   m.impl("pici_decompress_accumulate", &pici_decompress_accumulate_cuda);
+  m.impl("pici_prune_compress", &pici_prune_compress_cuda);
   m.impl("coo_compress", &coo_compress_cuda);
   m.impl("coo_decompress", &coo_decompress_cuda);
   m.impl("coo_decompress_accumulate", &coo_decompress_accumulate_cuda);

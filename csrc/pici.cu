@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "tiles.cuh"
 
 namespace spccl {
 namespace {
@@ -20,12 +21,12 @@ __device__ __forceinline__ void copy_out(const T* stage_s, uint32_t count, int64
   }
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads, SPCCL_COMPRESS_MIN_BLOCKS) pici_compress_kernel(
-    const T* __restrict__ src, int64_t n, int64_t tiles, bool aligned, uint8_t* __restrict__ out,
-    int64_t capacity, int64_t index_offset, int64_t values_offset,
-    unsigned long long* __restrict__ status, unsigned int* __restrict__ counter,
-    int64_t* __restrict__ nnz_out) {
+template <typename Tile>
+__global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kernel(
+    const typename Tile::Source source, int64_t tiles, uint8_t* __restrict__ out, int64_t capacity,
+    int64_t index_offset, int64_t values_offset, unsigned long long* __restrict__ status,
+    unsigned int* __restrict__ counter, int64_t* __restrict__ nnz_out) {
+  using T = typename Tile::Bits;
   __shared__ __align__(16) T tile_s[kTile];
   __shared__ __align__(16) T stage_s[kTile];
   __shared__ uint16_t part_s[4][kTileRows];
@@ -51,9 +52,10 @@ __global__ void __launch_bounds__(kThreads, SPCCL_COMPRESS_MIN_BLOCKS) pici_comp
   }
   __syncthreads();
   int64_t tile = claim_s[0], next = claim_s[1];
-  TileRegisters<T> regs;
+  Tile regs;
   if (tile < tiles) {
-    regs.load(src, n, tile, aligned);
+    regs.load(source, tile);
+    regs.prepare(source, tile);
     publish_count(regs, tile, status, count_s);
   }
 
@@ -64,7 +66,7 @@ __global__ void __launch_bounds__(kThreads, SPCCL_COMPRESS_MIN_BLOCKS) pici_comp
   while (tile < tiles) {
     regs.store_shared(tile_s);
     __syncthreads();
-    if (next < tiles) regs.load(src, n, next, aligned);  // in flight while this tile is processed
+    if (next < tiles) regs.load(source, next);  // in flight while this tile is processed
     copy_out(stage_s, pending, pending_base, values, value_room);
 
     // Phase 1: thread (column c, quarter g) scans rows 16g..16g+15 of column c.
@@ -101,7 +103,10 @@ __global__ void __launch_bounds__(kThreads, SPCCL_COMPRESS_MIN_BLOCKS) pici_comp
     // Phases 3-4 overlap: warp 0 publishes the next tile's count and looks back for this
     // tile's offset while warps 1-7 compact; then warp 0 compacts its own share.
     if (warp == 0) {
-      if (next < tiles) add_count_and_publish(regs, next, status, &next_count_s, &arrived_s);
+      if (next < tiles) {
+        regs.prepare(source, next);
+        add_count_and_publish(regs, next, status, &next_count_s, &arrived_s);
+      }
       const uint32_t exclusive = tile == 0 ? 0u : look_back(status, tile, lane);
       if (lane == 0) {
         claim_s[0] = atomicAdd(counter, 1u);
@@ -130,7 +135,10 @@ __global__ void __launch_bounds__(kThreads, SPCCL_COMPRESS_MIN_BLOCKS) pici_comp
         stage_s[pos++] = tile_s[(16 * g + r) * kTileRows + c];
       }
     }
-    if (warp != 0 && next < tiles) add_count_and_publish(regs, next, status, &next_count_s, &arrived_s);
+    if (warp != 0 && next < tiles) {
+      regs.prepare(source, next);
+      add_count_and_publish(regs, next, status, &next_count_s, &arrived_s);
+    }
     __syncthreads();
 
     const int64_t after = claim_s[0];
@@ -364,19 +372,51 @@ struct PiciOffsets {
         values_offset(512 * tiles + align16(4 * (tiles + 1))) {}
 };
 
-template <typename T>
-void launch_compress(const T* src, int64_t n, uint8_t* out, int64_t capacity, void* scratch,
+template <typename Tile>
+void launch_compress(const typename Tile::Source& source, int64_t n, uint8_t* out, int64_t capacity, void* scratch,
                      int64_t* nnz, cudaStream_t stream) {
   const PiciOffsets off(n);
   auto* status = static_cast<unsigned long long*>(scratch);
   auto* counter = reinterpret_cast<unsigned int*>(status + off.tiles);
   check_cuda(cudaMemsetAsync(scratch, 0, compress_scratch_bytes(off.tiles), stream), "cudaMemsetAsync");
-  const bool aligned = reinterpret_cast<uintptr_t>(src) % 16 == 0;
-  auto kernel = pici_compress_kernel<T>;
+  auto kernel = pici_compress_kernel<Tile>;
   const int blocks = resident_blocks(kernel, off.tiles);
-  kernel<<<blocks, kThreads, 0, stream>>>(src, n, off.tiles, aligned, out, capacity, off.index_offset,
-                                          off.values_offset, status, counter, nnz);
+  kernel<<<blocks, kThreads, 0, stream>>>(source, off.tiles, out, capacity, off.index_offset, off.values_offset,
+                                          status, counter, nnz);
   check_launch("pici_compress_kernel");
+}
+
+template <typename T>
+void launch_plain_compress(const T* src, int64_t n, uint8_t* out, int64_t capacity, void* scratch, int64_t* nnz,
+                           cudaStream_t stream) {
+  const bool aligned = reinterpret_cast<uintptr_t>(src) % 16 == 0;
+  launch_compress<PlainTile<T>>({src, n, aligned}, n, out, capacity, scratch, nnz, stream);
+}
+
+template <typename G, typename E>
+void launch_prune_compress(const void* grad, void* error, int64_t n, const float* threshold, float decay,
+                           unsigned int* kept, uint8_t* out, int64_t capacity, void* scratch, int64_t* nnz,
+                           cudaStream_t stream) {
+  using Tile = PruneTile<G, E>;
+  const bool aligned = reinterpret_cast<uintptr_t>(grad) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(error) % (Tile::kErrorBytes < 16 ? Tile::kErrorBytes : 16) == 0;
+  const typename Tile::Source source{static_cast<const typename Tile::Bits*>(grad),
+                                     static_cast<typename Tile::EBits*>(error), n, aligned, threshold, decay, kept};
+  launch_compress<Tile>(source, n, out, capacity, scratch, nnz, stream);
+}
+
+template <typename G>
+void launch_prune_compress(const void* grad, void* error, Elem error_type, int64_t n, const float* threshold,
+                           float decay, unsigned int* kept, uint8_t* out, int64_t capacity, void* scratch,
+                           int64_t* nnz, cudaStream_t stream) {
+  if (error_type == Elem::kF32) {
+    launch_prune_compress<G, float>(grad, error, n, threshold, decay, kept, out, capacity, scratch, nnz, stream);
+  } else if (error_type == Elem::kBF16) {
+    launch_prune_compress<G, __nv_bfloat16>(grad, error, n, threshold, decay, kept, out, capacity, scratch, nnz,
+                                            stream);
+  } else {
+    launch_prune_compress<G, __half>(grad, error, n, threshold, decay, kept, out, capacity, scratch, nnz, stream);
+  }
 }
 
 template <typename V, typename D, bool kAccumulate>
@@ -418,9 +458,29 @@ void pici_compress(const void* src, int elem_bytes, int64_t n, uint8_t* out, int
     return;
   }
   if (elem_bytes == 4) {
-    launch_compress(static_cast<const uint32_t*>(src), n, out, capacity, scratch, nnz, stream);
+    launch_plain_compress(static_cast<const uint32_t*>(src), n, out, capacity, scratch, nnz, stream);
   } else {
-    launch_compress(static_cast<const uint16_t*>(src), n, out, capacity, scratch, nnz, stream);
+    launch_plain_compress(static_cast<const uint16_t*>(src), n, out, capacity, scratch, nnz, stream);
+  }
+}
+
+void pici_prune_compress(const void* grad, Elem grad_type, void* error, Elem error_type, int64_t n,
+                         const float* threshold, float decay, unsigned int* kept, uint8_t* out, int64_t capacity,
+                         void* scratch, int64_t* nnz, cudaStream_t stream) {
+  if (n == 0) {
+    check_cuda(cudaMemsetAsync(out, 0, PiciOffsets(n).values_offset, stream), "cudaMemsetAsync");
+    check_cuda(cudaMemsetAsync(nnz, 0, sizeof(int64_t), stream), "cudaMemsetAsync");
+    return;
+  }
+  if (grad_type == Elem::kF32) {
+    launch_prune_compress<float>(grad, error, error_type, n, threshold, decay, kept, out, capacity, scratch, nnz,
+                                 stream);
+  } else if (grad_type == Elem::kBF16) {
+    launch_prune_compress<__nv_bfloat16>(grad, error, error_type, n, threshold, decay, kept, out, capacity, scratch,
+                                         nnz, stream);
+  } else {
+    launch_prune_compress<__half>(grad, error, error_type, n, threshold, decay, kept, out, capacity, scratch, nnz,
+                                  stream);
   }
 }
 

@@ -27,6 +27,15 @@ int64_t compress_scratch_bytes(int64_t tiles);
 void pici_compress(const void* src, int elem_bytes, int64_t n, uint8_t* out, int64_t capacity,
                    void* scratch, int64_t* nnz, cudaStream_t stream);
 
+// Prune grad[0, n) (grad_type) with leaky error feedback into error[0, n) (error_type) and
+// Pici-encode the pruned values into out[0, capacity), in one pass that never writes grad:
+// v = grad + error (fp32); kept where |v| >= *threshold (a device float): encoded as v rounded to
+// grad_type; error = kept ? 0 : v * decay rounded to error_type. Adds the kept count to *kept
+// and writes nnz to *nnz. `scratch` as for pici_compress.
+void pici_prune_compress(const void* grad, Elem grad_type, void* error, Elem error_type, int64_t n,
+                         const float* threshold, float decay, unsigned int* kept, uint8_t* out, int64_t capacity,
+                         void* scratch, int64_t* nnz, cudaStream_t stream);
+
 // Decode a Pici payload of n elements into dst[0, n): overwrite (value == dst type), or
 // accumulate (dst is `value` or kF32). With `prior` (overwrite only: the bitvectors of a Pici
 // payload of what dst[0, n) holds now), write only the elements either payload marks: the

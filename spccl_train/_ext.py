@@ -29,6 +29,7 @@ _log = logging.getLogger(__name__)
 
 _OPS = (
     "pici_compress",
+    "pici_prune_compress",
     "pici_decompress",
     "pici_decompress_accumulate",
     "pici_decompress_patch",

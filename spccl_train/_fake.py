@@ -23,6 +23,11 @@ def _pici_compress(src, offset, n, out):
     return _nnz_like(src)
 
 
+@torch.library.register_fake("spccl::pici_prune_compress")
+def _pici_prune_compress(grad, error, offset, n, threshold, decay, kept, out):
+    return _nnz_like(grad)
+
+
 @torch.library.register_fake("spccl::coo_compress")
 def _coo_compress(src, offset, n, out):
     return _nnz_like(src)

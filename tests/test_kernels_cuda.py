@@ -16,7 +16,8 @@ What is checked, for float32 / bfloat16 / float16:
   ``check=True``, and never a write outside the destination range;
 - output buffers: one exactly as large as the payload works, a smaller one raises
   :class:`PayloadTooSmallError`, and no byte past ``out`` is ever written;
-- ``torch.library.opcheck`` on each of the seven operators.
+- ``torch.library.opcheck`` on each of the seven codec operators (the eighth, ``pici_prune_compress``,
+  in ``test_pruning_wire.py``).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from .choice import Candidate, choose
 from .chunking import ChunkLayout, Span
 from .config import CollectiveConfig
 from .cost import CodecCost, CostModel, LinkCost
+from .encoded import EncodedPieces
 from .graphs import cached_graphs, clear_graphs, clearing_graphs
 from .plan import Message, Messages, Phase, Plan, Route, Step, plan_all_gather, plan_reduce_scatter
 from .thresholds import DEFAULT_THRESHOLDS, ResolvedThresholds, Thresholds
@@ -50,6 +51,7 @@ __all__ = [
     "clearing_graphs",
     "cached_graphs",
     "ChunkLayout",
+    "EncodedPieces",
     "Candidate",
     "choose",
     "Span",

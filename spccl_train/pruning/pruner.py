@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from .._triton import uses_triton
+from ..collectives.chunking import ChunkLayout
+from ..collectives.encoded import EncodedPieces
 from . import reference
 
 __all__ = ["PRUNE_BLOCK", "PruneConfig", "PruneResult", "Pruner", "uses_triton"]
@@ -163,27 +165,14 @@ class Pruner:
                 boundaries are counted by the prune kernel itself, saving a pass.
         """
         self._check(grad, error)
-        cfg = self.config
-        density = cfg.density_at(step if schedule_step is None else schedule_step)
         g, e = grad.view(-1), error.view(-1)
         n = g.numel()
         if n == 0:
             zero = torch.zeros(1, dtype=torch.float32, device=g.device)
             return PruneResult(threshold=zero, kept=zero.to(torch.int64), numel=0)
+        threshold = self._threshold(g, e, step, buffer, schedule_step)
         on_triton = uses_triton(g)
-        if density >= 1.0:
-            threshold = torch.zeros(1, dtype=torch.float32, device=g.device)
-        elif on_triton:
-            from .threshold import sampled_threshold
-
-            m = reference.sample_size(n, cfg.sample_fraction)
-            threshold = sampled_threshold(g, e, m, reference.keep_count(m, density), self._seed(step, buffer))
-        else:
-            m = reference.sample_size(n, cfg.sample_fraction)
-            generator = torch.Generator(device=g.device).manual_seed(self._seed(step, buffer))
-            index = torch.randint(0, n, (m,), generator=generator, device=g.device)
-            sample = (g[index].to(torch.float32) + e[index].to(torch.float32)).abs()
-            threshold = reference.threshold_from_sample(sample, density)
+        cfg = self.config
         block_counts = None
         if on_triton:
             from .prune_ef import prune_error_feedback
@@ -199,6 +188,71 @@ class Pruner:
 
             deferred = cap_ranges(g, e, caps[0], caps[1], block_counts=block_counts)
         return PruneResult(threshold=threshold, kept=kept, numel=n, deferred=deferred)
+
+    def prune_to_wire(
+        self,
+        grad: torch.Tensor,
+        error: torch.Tensor,
+        layout: ChunkLayout,
+        *,
+        step: int,
+        buffer: int = 0,
+        schedule_step: int | None = None,
+        into: EncodedPieces | None = None,
+    ) -> tuple[PruneResult, EncodedPieces]:
+        """Prune ``grad`` as :meth:`prune` does, writing the result as the Pici payloads of
+        ``layout``'s pieces (an all-reduce's input, :class:`~spccl_train.collectives.EncodedPieces`)
+        instead of into ``grad``; no host synchronisation.
+
+        With the CUDA kernels this is one pass per piece that reads ``grad`` and ``error`` once and
+        writes ``error`` and the payload: ``grad`` is left as it was. Elsewhere the torch reference
+        computes the same bytes (:func:`.wire.prune_to_wire_reference`; on a GPU without the
+        kernels, pruning in place then encoding). The payloads, nonzero counts and error buffer
+        equal those of :meth:`prune` followed by encoding each piece, bit for bit. No caps: a
+        capacity-bounded reduction prunes with :meth:`prune`.
+
+        Args:
+            grad, error, step, buffer, schedule_step: as for :meth:`prune`.
+            layout: the pieces, ``ChunkLayout.of("all_reduce", grad.numel(), world, channels)``.
+            into: payloads from an earlier call to reuse (their layout and dtype must match).
+        """
+        from . import wire
+
+        self._check(grad, error)
+        g, e = grad.view(-1), error.view(-1)
+        if layout.numel != g.numel():
+            raise ValueError(
+                f"layout cuts {layout.numel} elements but grad has {g.numel()}; "
+                "pass ChunkLayout.of('all_reduce', grad.numel(), world, channels)"
+            )
+        if into is None or not into.fits(layout, g.dtype) or into.device != g.device:
+            into = EncodedPieces.empty(layout, g.dtype, g.device)
+        n = g.numel()
+        if n == 0:
+            zero = torch.zeros(1, dtype=torch.float32, device=g.device)
+            return PruneResult(threshold=zero, kept=zero.to(torch.int64), numel=0), into
+        threshold = self._threshold(g, e, step, buffer, schedule_step)
+        kept = wire.prune_to_wire(g, e, threshold, self.config.decay, into)
+        return PruneResult(threshold=threshold, kept=kept, numel=n), into
+
+    def _threshold(
+        self, g: torch.Tensor, e: torch.Tensor, step: int, buffer: int, schedule_step: int | None
+    ) -> torch.Tensor:
+        """The magnitude threshold of this step's density: sampled top-k, or 0 at density 1."""
+        cfg = self.config
+        density = cfg.density_at(step if schedule_step is None else schedule_step)
+        n = g.numel()
+        if density >= 1.0:
+            return torch.zeros(1, dtype=torch.float32, device=g.device)
+        m = reference.sample_size(n, cfg.sample_fraction)
+        if uses_triton(g):
+            from .threshold import sampled_threshold
+
+            return sampled_threshold(g, e, m, reference.keep_count(m, density), self._seed(step, buffer))
+        generator = torch.Generator(device=g.device).manual_seed(self._seed(step, buffer))
+        index = torch.randint(0, n, (m,), generator=generator, device=g.device)
+        sample = (g[index].to(torch.float32) + e[index].to(torch.float32)).abs()
+        return reference.threshold_from_sample(sample, density)
 
     def _check(self, grad: torch.Tensor, error: torch.Tensor) -> None:
         if grad.dtype not in _GRAD_DTYPES:

@@ -1,0 +1,140 @@
+// What the Pici compressor reads a tile from: a range as it is (PlainTile), or a gradient pruned
+// on the fly with leaky error feedback (PruneTile). Both hold one thread's share of a tile in
+// registers, in TileRegisters' layout, and offer the compressor the same four calls:
+//   load(source, tile)     issue the tile's loads (they land while the block works on another);
+//   prepare(source, tile)  turn what landed into the values to encode (before counting them);
+//   count_nonzero()        this thread's nonzeros of the prepared tile;
+//   store_shared(tile_s)   the prepared values into the block's shared tile.
+#pragma once
+
+#include "common.cuh"
+
+// Minimum resident blocks per SM of the pruning compressor (caps its registers).
+#ifndef SPCCL_PRUNE_MIN_BLOCKS
+#define SPCCL_PRUNE_MIN_BLOCKS 4
+#endif
+
+namespace spccl {
+
+template <typename T>
+struct PlainTile {
+  using Bits = T;
+  static constexpr int kMinBlocks = SPCCL_COMPRESS_MIN_BLOCKS;
+  struct Source {
+    const T* src;
+    int64_t n;
+    bool aligned;
+  };
+  TileRegisters<T> regs;
+
+  __device__ __forceinline__ void load(const Source& s, int64_t tile) { regs.load(s.src, s.n, tile, s.aligned); }
+  __device__ __forceinline__ void prepare(const Source&, int64_t) {}
+  __device__ __forceinline__ uint32_t count_nonzero() const { return regs.count_nonzero(); }
+  __device__ __forceinline__ void store_shared(T* tile_s) const { regs.store_shared(tile_s); }
+};
+
+// Bits <-> values of the three element types.
+__device__ __forceinline__ float value_of(uint32_t b, float) { return __uint_as_float(b); }
+__device__ __forceinline__ float value_of(uint16_t b, __nv_bfloat16) { return __bfloat162float(__ushort_as_bfloat16(b)); }
+__device__ __forceinline__ float value_of(uint16_t b, __half) { return __half2float(__ushort_as_half(b)); }
+__device__ __forceinline__ uint32_t bits_of(float v, float) { return __float_as_uint(v); }
+__device__ __forceinline__ uint16_t bits_of(float v, __nv_bfloat16) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+__device__ __forceinline__ uint16_t bits_of(float v, __half) { return __half_as_ushort(__float2half_rn(v)); }
+
+// The gradient G and its error buffer E (float, __nv_bfloat16 or __half), pruned as
+// spccl_train/pruning/reference.py does: v = g + e in fp32; keep = |v| >= threshold; the value
+// encoded is keep ? v : 0 rounded to G; the error becomes keep ? 0 : v * decay rounded to E and
+// is stored by prepare(); the gradient itself is never written. Positions >= n are not elements:
+// never kept, never stored. The error is loaded and stored in the gradient's element layout
+// (kVec elements of E per vector: 8, 16 or 32 bytes).
+template <typename G, typename E>
+struct PruneTile {
+  using Bits = typename BitsOf<sizeof(G)>::type;
+  using EBits = typename BitsOf<sizeof(E)>::type;
+  using Regs = TileRegisters<Bits>;
+  static constexpr int kVec = Regs::kVec;
+  static constexpr int kPerThread = Regs::kPerThread;
+  static constexpr int kErrorBytes = kVec * int(sizeof(E));  // one vector of error elements
+  // Twice the registers of a plain tile in flight: fewer resident blocks than the plain compressor.
+  static constexpr int kMinBlocks = SPCCL_PRUNE_MIN_BLOCKS;
+  struct Source {
+    const Bits* grad;
+    EBits* error;
+    int64_t n;
+    bool aligned;  // grad 16-byte and error kErrorBytes-byte aligned
+    const float* threshold;
+    float decay;
+    unsigned int* kept;  // += elements kept
+  };
+  Regs regs;
+  union ErrorVector {
+    uint4 words[(kErrorBytes + 15) / 16];
+    uint2 half_words[(kErrorBytes + 7) / 8];
+    EBits elems[kVec];
+  } err[kPerThread];
+
+  __device__ __forceinline__ static int64_t first(int64_t tile, int k) {
+    return tile * kTile + int64_t(k * kThreads + threadIdx.x) * kVec;
+  }
+
+  __device__ __forceinline__ void load(const Source& s, int64_t tile) {
+    regs.load(s.grad, s.n, tile, s.aligned);
+    const bool whole = s.aligned && (tile + 1) * kTile <= s.n;
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int64_t at = first(tile, k);
+      if (whole) {
+        if constexpr (kErrorBytes == 8) {
+          err[k].half_words[0] = __ldcs(reinterpret_cast<const uint2*>(s.error + at));
+        } else {
+#pragma unroll
+          for (int w = 0; w < kErrorBytes / 16; ++w)
+            err[k].words[w] = __ldcs(reinterpret_cast<const uint4*>(s.error + at) + w);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) err[k].elems[e] = at + e < s.n ? s.error[at + e] : EBits(0);
+      }
+    }
+  }
+
+  __device__ __forceinline__ void prepare(const Source& s, int64_t tile) {
+    const float threshold = __ldg(s.threshold);
+    const bool whole = s.aligned && (tile + 1) * kTile <= s.n;
+    uint32_t kept = 0;
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int64_t at = first(tile, k);
+      Bits* grad = reinterpret_cast<Bits*>(&regs.v[k]);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const float v = value_of(grad[e], G()) + value_of(err[k].elems[e], E());
+        const bool inside = whole || at + e < s.n;
+        const bool keep = inside && fabsf(v) >= threshold;
+        kept += keep;
+        grad[e] = keep ? bits_of(v, G()) : Bits(0);
+        err[k].elems[e] = keep ? EBits(0) : bits_of(v * s.decay, E());
+      }
+      if (whole) {
+        if constexpr (kErrorBytes == 8) {
+          __stcs(reinterpret_cast<uint2*>(s.error + at), err[k].half_words[0]);
+        } else {
+#pragma unroll
+          for (int w = 0; w < kErrorBytes / 16; ++w)
+            __stcs(reinterpret_cast<uint4*>(s.error + at) + w, err[k].words[w]);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e)
+          if (at + e < s.n) s.error[at + e] = err[k].elems[e];
+      }
+    }
+    kept = warp_sum(kept);
+    if ((threadIdx.x & 31) == 0 && kept) atomicAdd(s.kept, kept);
+  }
+
+  __device__ __forceinline__ uint32_t count_nonzero() const { return regs.count_nonzero(); }
+  __device__ __forceinline__ void store_shared(Bits* tile_s) const { regs.store_shared(tile_s); }
+};
+
+}  // namespace spccl

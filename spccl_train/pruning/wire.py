@@ -1,0 +1,72 @@
+"""Pruning to the wire: prune with leaky error feedback straight into an all-reduce's Pici payloads.
+
+The unfused path reads the gradient and error buffer, writes both back (the pruned gradient, the
+new error), then reads the pruned gradient again to encode it: three passes over the bucket before
+a byte moves. Here one pass per piece reads the gradient and error, writes the error and the
+payload, and never writes the pruned gradient (the CUDA kernel ``spccl::pici_prune_compress``).
+Its oracle is :func:`prune_to_wire_reference`, which equals the unfused reference bit for bit
+(``tests/test_pruning_wire.py``).
+
+Cost: O(numel) bytes read twice (gradient, error) and written once (error) plus the payloads;
+one launch per piece (``world x channels``), each a persistent grid over its tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..collectives.encoded import EncodedPieces
+from ..formats import Format, compress_into, uses_kernels
+from ..formats import reference as codec_reference
+from . import reference
+
+__all__ = ["prune_to_wire", "prune_to_wire_reference", "prune_then_encode"]
+
+
+def prune_to_wire(
+    g: torch.Tensor, e: torch.Tensor, threshold: torch.Tensor, decay: float, into: EncodedPieces
+) -> torch.Tensor:
+    """Prune flat ``g`` against ``threshold`` into ``into``'s payloads, updating ``e``; returns the
+    kept count (a one-element integer tensor on the device). ``g`` is left as it was where the CUDA
+    kernels run; elsewhere it may hold the pruned values (the CPU path leaves it too)."""
+    if uses_kernels(g):
+        kept = torch.zeros(1, dtype=torch.int32, device=g.device)
+        counts = [
+            torch.ops.spccl.pici_prune_compress(g, e, piece.start, piece.numel, threshold, decay, kept, into.payload(i))
+            for i, piece in enumerate(into.pieces)
+        ]
+        torch.cat(counts, out=into.nnz)
+        return kept
+    if g.is_cuda:  # no kernels: the unfused path (the reference codec on a GPU)
+        return prune_then_encode(g, e, threshold, decay, into)
+    return prune_to_wire_reference(g, e, threshold, decay, into)
+
+
+def prune_to_wire_reference(
+    g: torch.Tensor, e: torch.Tensor, threshold: torch.Tensor, decay: float, into: EncodedPieces
+) -> torch.Tensor:
+    """The fused pass in torch, piece by piece: ``v = g + e`` in fp32, kept where ``|v| >= threshold``,
+    the kept values rounded to ``g``'s dtype encoded, the others times ``decay`` into ``e``.
+    ``g`` is not written. Returns the kept count (int64[1])."""
+    thr = threshold.to(torch.float32)
+    kept = torch.zeros(1, dtype=torch.int64, device=g.device)
+    for i, piece in enumerate(into.pieces):
+        span = slice(piece.start, piece.start + piece.numel)
+        v = g[span].to(torch.float32) + e[span].to(torch.float32)
+        keep = v.abs() >= thr
+        values = torch.where(keep, v, torch.zeros_like(v)).to(g.dtype)
+        e[span] = torch.where(keep, torch.zeros_like(v), v * decay)
+        into.nnz[i : i + 1] = codec_reference.pici_compress(values, 0, piece.numel, into.payload(i))
+        kept += keep.sum()
+    return kept
+
+
+def prune_then_encode(
+    g: torch.Tensor, e: torch.Tensor, threshold: torch.Tensor, decay: float, into: EncodedPieces
+) -> torch.Tensor:
+    """The unfused path: prune ``g`` in place (:func:`.reference.prune_with_error_feedback`), then
+    encode each piece of it. Returns the kept count."""
+    kept = reference.prune_with_error_feedback(g, e, threshold, decay)
+    for i, piece in enumerate(into.pieces):
+        into.nnz[i : i + 1] = compress_into(Format.PICI, g, into.payload(i), offset=piece.start, n=piece.numel)
+    return kept

@@ -1,0 +1,162 @@
+"""Pruning to the wire (``Pruner.prune_to_wire``): the fused pass equals pruning then encoding.
+
+CPU (in CI): the fused torch reference against the unfused reference (prune in place, then the
+reference Pici encoder per piece), bit for bit: payload bytes, nonzero counts, error buffer, kept
+count; random buckets, dtypes, layouts and thresholds, fresh every run. CUDA (with the kernels):
+``spccl::pici_prune_compress`` against the same reference, and ``opcheck``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from spccl_train.collectives import ChunkLayout, EncodedPieces
+from spccl_train.formats import payload_bytes
+from spccl_train.pruning import PruneConfig, Pruner
+from spccl_train.pruning.wire import prune_then_encode, prune_to_wire, prune_to_wire_reference
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ERRORS = ["float32", "bfloat16", "float16"]
+
+
+def _bucket(n: int, dtype: torch.dtype, error_dtype: torch.dtype, device: str, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    grad = torch.randn(n, generator=gen)
+    grad[torch.rand(n, generator=gen) < 0.05] = 0.0  # zeros already present (e.g. embeddings)
+    error = torch.randn(n, generator=gen) * 0.3
+    return grad.to(dtype).to(device), error.to(error_dtype).to(device)
+
+
+def _assert_same(a: EncodedPieces, b: EncodedPieces) -> None:
+    assert torch.equal(a.nnz.cpu(), b.nnz.cpu())
+    for i, (piece, nnz) in enumerate(zip(a.pieces, a.nnz.tolist())):
+        size = payload_bytes("pici", piece.numel, nnz, a.dtype)
+        assert torch.equal(a.payload(i)[:size].cpu(), b.payload(i)[:size].cpu()), f"payload {i} differs"
+
+
+def _unfused(grad, error, threshold, decay, layout):
+    into = EncodedPieces.empty(layout, grad.dtype, grad.device)
+    kept = prune_then_encode(grad, error, threshold, decay, into)
+    return into, kept
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_fused_reference_equals_unfused_bit_for_bit(trial: int) -> None:
+    rng = random.Random()
+    dtype, error_name = rng.choice(DTYPES), rng.choice(ERRORS)
+    error_dtype = PruneConfig(error_dtype=error_name).error_torch_dtype
+    n = rng.choice([1, 4095, 4096, 4097, rng.randrange(1, 40_000), rng.randrange(40_000, 200_000)])
+    world, channels = rng.randrange(1, 9), rng.randrange(1, 4)
+    layout = ChunkLayout.of("all_reduce", n, world, channels)
+    threshold = torch.tensor([rng.choice([0.0, 0.5, 1.5, 2.6, 10.0])])
+    decay = rng.choice([0.0, 0.9, 1.0])
+    grad, error = _bucket(n, dtype, error_dtype, "cpu", rng.randrange(1 << 30))
+    g0, e0 = grad.clone(), error.clone()
+    fused = EncodedPieces.empty(layout, dtype, "cpu")
+    kept = prune_to_wire_reference(grad, error, threshold, decay, fused)
+    assert torch.equal(grad.view(torch.uint8), g0.view(torch.uint8)), "the fused pass wrote the gradient"
+    unfused, kept_unfused = _unfused(g0, e0, threshold, decay, layout)
+    _assert_same(fused, unfused)
+    assert torch.equal(error.view(torch.uint8), e0.view(torch.uint8))
+    assert int(kept) == int(kept_unfused)
+
+
+def test_pruner_prune_to_wire_matches_prune_then_encode() -> None:
+    """Same seed and step: the same sampled threshold, so the same bits as :meth:`Pruner.prune`."""
+    pruner = Pruner(PruneConfig(density=0.02, warmup_steps=3))
+    grad, error = _bucket(70_000, torch.float32, torch.float32, "cpu", random.randrange(1 << 30))
+    layout = ChunkLayout.of("all_reduce", grad.numel(), 4, 2)
+    g0, e0 = grad.clone(), error.clone()
+    result, encoded = pruner.prune_to_wire(grad, error, layout, step=5, buffer=2, schedule_step=1)
+    plain = pruner.prune(g0, e0, step=5, buffer=2, schedule_step=1)
+    assert torch.equal(result.threshold, plain.threshold) and int(result.kept) == int(plain.kept)
+    again = EncodedPieces.empty(layout, grad.dtype, "cpu")
+    for i, piece in enumerate(again.pieces):  # encode the pruned gradient as the collective would
+        from spccl_train.formats import compress_into
+
+        again.nnz[i : i + 1] = compress_into("pici", g0, again.payload(i), offset=piece.start, n=piece.numel)
+    _assert_same(encoded, again)
+    assert torch.equal(error, e0)
+    decoded = torch.full_like(g0, float("nan"))
+    encoded.decode_into(decoded)
+    assert torch.equal(decoded, g0)
+    # reused payloads: the same buffer comes back
+    _, reused = pruner.prune_to_wire(grad, error, layout, step=6, into=encoded)
+    assert reused is encoded
+
+
+def test_prune_to_wire_rejects_a_foreign_layout() -> None:
+    pruner = Pruner()
+    grad, error = torch.randn(100), torch.zeros(100)
+    with pytest.raises(ValueError, match="layout cuts 99 elements but grad has 100"):
+        pruner.prune_to_wire(grad, error, ChunkLayout.of("all_reduce", 99, 2, 1), step=0)
+
+
+needs_kernels = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and the spccl kernels")
+
+
+def _kernels() -> None:
+    from spccl_train._ext import kernels_available
+
+    if not kernels_available():
+        pytest.skip("the spccl CUDA kernels are not available")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("error_name", ERRORS)
+@pytest.mark.parametrize("n", [1, 4096, 70_001, 1 << 20])
+def test_cuda_fused_kernel_matches_reference(dtype: torch.dtype, error_name: str, n: int) -> None:
+    _kernels()
+    rng = random.Random()
+    error_dtype = PruneConfig(error_dtype=error_name).error_torch_dtype
+    layout = ChunkLayout.of("all_reduce", n, rng.randrange(1, 6), rng.randrange(1, 3))
+    grad, error = _bucket(n, dtype, error_dtype, "cpu", rng.randrange(1 << 30))
+    threshold = torch.tensor([rng.choice([0.0, 1.0, 2.5])])
+    expected = EncodedPieces.empty(layout, dtype, "cpu")
+    e_ref = error.clone()
+    kept_ref = prune_to_wire_reference(grad, e_ref, threshold, 0.9, expected)
+    g, e = grad.cuda(), error.cuda()
+    got = EncodedPieces.empty(layout, dtype, "cuda")
+    kept = prune_to_wire(g, e, threshold.cuda(), 0.9, got)
+    torch.cuda.synchronize()
+    assert torch.equal(g.cpu().view(torch.uint8), grad.view(torch.uint8)), "the kernel wrote the gradient"
+    _assert_same(got, expected)
+    assert torch.equal(e.cpu().view(torch.uint8), e_ref.view(torch.uint8))
+    assert int(kept) == int(kept_ref)
+
+
+@needs_kernels
+def test_cuda_fused_kernel_unaligned_offset() -> None:
+    """A piece starting at an odd element: the element-wise loads and stores."""
+    _kernels()
+    grad, error = _bucket(50_001, torch.float32, torch.bfloat16, "cpu", 7)
+    threshold = torch.tensor([1.0])
+    out = torch.empty(1 << 20, dtype=torch.uint8)
+    e_ref = error.clone()
+    v = grad[3:].float() + e_ref[3:].float()
+    keep = v.abs() >= 1.0
+    e_ref[3:] = torch.where(keep, torch.zeros_like(v), v * 0.5)
+    from spccl_train.formats import reference
+
+    nnz_ref = reference.pici_compress(torch.where(keep, v, torch.zeros_like(v)), 0, v.numel(), out)
+    g, e, kept = grad.cuda(), error.cuda(), torch.zeros(1, dtype=torch.int32, device="cuda")
+    got = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    nnz = torch.ops.spccl.pici_prune_compress(g, e, 3, 49_998, threshold.cuda(), 0.5, kept, got)
+    size = payload_bytes("pici", 49_998, int(nnz_ref), torch.float32)
+    assert int(nnz) == int(nnz_ref) and int(kept) == int(keep.sum())
+    assert torch.equal(got.cpu()[:size], out[:size])
+    assert torch.equal(e.cpu().view(torch.uint8), e_ref.view(torch.uint8))
+
+
+@needs_kernels
+def test_opcheck_prune_compress() -> None:
+    _kernels()
+    g = torch.randn(20_000, device="cuda")
+    e = torch.zeros(20_000, device="cuda")
+    args = (g, e, 5, 16_000, torch.tensor([1.0], device="cuda"), 0.9, torch.zeros(1, dtype=torch.int32, device="cuda"))
+    out = torch.empty(1 << 18, dtype=torch.uint8, device="cuda")
+    torch.library.opcheck(torch.ops.spccl.pici_prune_compress.default, (*args, out))
