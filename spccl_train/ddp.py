@@ -138,6 +138,11 @@ class SparseHookState:
             (:func:`spccl_train.pruning.cap_ranges`; counted in ``HookSummary.deferred``), and
             messages are sized for those bounds (an all-reduce's gather phase for the sum of
             every rank's bound, so larger ``f`` sends more padding). Needs ``prune=True``.
+        prune_to_wire: prune each bucket straight into the sparse all-reduce's Pici payloads where
+            the all-reduce can send them as they are (direct or ``auto`` algorithm, Pici or ``auto``
+            format, no ``capacity_factor``): one pass over gradient and error buffer instead of
+            pruning in place and encoding again (:meth:`~spccl_train.pruning.Pruner.prune_to_wire`).
+            Each bucket keeps its payloads' buffer, about the bucket's size; ``False`` saves that memory.
         planning_group: ``overlap="stream"`` only: a group of the same ranks as ``process_group``
             on which the planning exchanges run, so that planning a bucket does not wait for the
             previous bucket's transfers (NCCL runs one group's operations in order). ``None``:
@@ -176,6 +181,7 @@ class SparseHookState:
         overlap: bool | str | None = False,
         planning_group: dist.ProcessGroup | None = None,
         capacity_factor: float | None = None,
+        prune_to_wire: bool = True,
     ) -> None:
         capacity_factor = check_capacity_factor(capacity_factor, prune)
         if dense_iterations < 1:
@@ -195,7 +201,7 @@ class SparseHookState:
             )
         )
         config = collective_config or CollectiveConfig(format=format, algorithm=algorithm)
-        self.reducer = BucketReducer(pruner, prune, config, capacity_factor, "ddp")
+        self.reducer = BucketReducer(pruner, prune, config, capacity_factor, "ddp", prune_to_wire)
         self.dense_iterations = dense_iterations
         if overlap not in (True, False, None, "stream"):
             raise ValueError(f"overlap={overlap!r} must be False, True, None (True on CUDA) or 'stream'")

@@ -4,7 +4,11 @@ The DDP comm hook (:mod:`spccl_train.ddp`) and the Megatron integration
 (:mod:`spccl_train.megatron`) hand each gradient bucket to a :class:`BucketReducer`, which
 
 1. prunes it with error feedback (the bucket's own error buffer, made on first use and remade
-   when the bucket changes shape or device), to the density of its schedule step;
+   when the bucket changes shape or device), to the density of its schedule step; where the
+   all-reduce may send Pici payloads as they are (an all-reduce of ``auto`` or ``direct``
+   algorithm and ``auto`` or ``pici`` format, no capacity bound), straight into them
+   (:meth:`~.pruning.Pruner.prune_to_wire`: one pass, no pruned dense copy; the bucket keeps the
+   payloads' buffer, about its own size) and hands them to the all-reduce as its ``encoded`` input;
 2. with a ``capacity_factor``, caps each piece the collective will cut (:func:`~.pruning.piece_caps`)
    and, once an exchange has checked the bucket on every rank, plans the call from those caps
    (no host synchronisation);
@@ -26,7 +30,15 @@ import torch
 import torch.distributed as dist
 
 from ._timing import Span
-from .collectives import CollectiveConfig, CollectiveStats, CollectiveWork, all_reduce, reduce_scatter_tensor
+from .collectives import (
+    ChunkLayout,
+    CollectiveConfig,
+    CollectiveStats,
+    CollectiveWork,
+    EncodedPieces,
+    all_reduce,
+    reduce_scatter_tensor,
+)
 from .pruning import Pruner, PruneResult, piece_caps
 
 __all__ = ["BucketState", "BucketReducer", "Totals"]
@@ -53,6 +65,8 @@ class BucketState:
     validated: tuple[int, str] | None = None
     """``capacity_factor``: ``(numel, collective)`` of the bucket's reduction once it was planned
     with the exchange (every rank's bucket agreed); later ones are planned from the caps."""
+    encoded: EncodedPieces | None = None
+    """The payloads pruning writes for the all-reduce (:meth:`BucketReducer.reduce`), reused every step."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,6 +104,9 @@ class BucketReducer:
         config: the collective's config.
         capacity_factor: ``None``, or the per-piece cap factor ``f >= 1`` (needs ``prune``).
         engine: names the engine in the buckets' CUDA graph tags (``"ddp"``, ``"megatron"``).
+        prune_to_wire: prune into the all-reduce's payloads where it can send them as they are
+            (see the module docstring); ``False`` prunes in place, then the all-reduce encodes
+            (no payload buffer per bucket: for tight memory).
     """
 
     __slots__ = (
@@ -98,6 +115,7 @@ class BucketReducer:
         "config",
         "capacity_factor",
         "engine",
+        "prune_to_wire",
         "scope",
         "_reductions",
         "_elements",
@@ -114,13 +132,20 @@ class BucketReducer:
     )
 
     def __init__(
-        self, pruner: Pruner, prune: bool, config: CollectiveConfig, capacity_factor: float | None, engine: str
+        self,
+        pruner: Pruner,
+        prune: bool,
+        config: CollectiveConfig,
+        capacity_factor: float | None,
+        engine: str,
+        prune_to_wire: bool = True,
     ) -> None:
         self.pruner = pruner
         self.prune = prune
         self.config = config
         self.capacity_factor = capacity_factor
         self.engine = engine
+        self.prune_to_wire = prune_to_wire
         self.scope = next(_scopes)  # equal on every rank that makes its reducers in one order
         self.reset_stats()
 
@@ -175,6 +200,19 @@ class BucketReducer:
         """Whether the bucket's next reduction is planned from its caps (no host synchronisation)."""
         return self.capacity_factor is not None and bucket.validated == (numel, collective)
 
+    def sends_encoded(self, tensor: torch.Tensor, world: int, capped: bool, all_reduce: bool) -> bool:
+        """Whether a pruned bucket goes to the all-reduce as payloads (:meth:`Pruner.prune_to_wire`)."""
+        cfg = self.config
+        return (
+            self.prune_to_wire
+            and self.prune
+            and all_reduce
+            and not capped
+            and world > 1
+            and cfg.algorithm in ("auto", "direct")
+            and cfg.format in ("auto", "pici")
+        )
+
     def error_buffer(self, bucket: BucketState, tensor: torch.Tensor) -> torch.Tensor:
         """The bucket's error buffer (made, or remade if the bucket changed shape or device)."""
         error = bucket.error
@@ -209,7 +247,7 @@ class BucketReducer:
         bounded = self.bounded(bucket, numel, collective)
         if bounded:  # nothing to plan ahead: prune, cap and reduce on the current stream
             planning_group = planning_stream = None
-        capped = None
+        capped = encoded = None
         with torch.cuda.stream(planning_stream) if planning_stream is not None else contextlib.nullcontext():
             if self.prune:
                 span = Span(tensor.device)
@@ -218,9 +256,17 @@ class BucketReducer:
                     density = self.pruner.config.density_at(schedule_step)
                     channels = self.config.channels
                     capped = piece_caps(numel, world, channels, density, self.capacity_factor, collective)
-                result = self.pruner.prune(
-                    tensor, error, step=step, buffer=bucket.index, schedule_step=schedule_step, caps=capped
-                )
+                if self.sends_encoded(tensor, world, capped is not None, shard is None):
+                    layout = ChunkLayout.of("all_reduce", numel, world, self.config.channels)
+                    result, encoded = self.pruner.prune_to_wire(
+                        tensor, error, layout, step=step, buffer=bucket.index, schedule_step=schedule_step,
+                        into=bucket.encoded,
+                    )  # fmt: skip
+                    bucket.encoded = encoded
+                else:
+                    result = self.pruner.prune(
+                        tensor, error, step=step, buffer=bucket.index, schedule_step=schedule_step, caps=capped
+                    )
                 if result.deferred is not None:
                     self._deferred = self._deferred + result.deferred
                 span.stop()
@@ -241,6 +287,7 @@ class BucketReducer:
                 planning_stream=planning_stream,
                 bounds=bounds,
                 graph_tag=tag,
+                encoded=encoded,
             )
         else:
             work = reduce_scatter_tensor(

@@ -38,12 +38,12 @@ import torch.distributed as dist
 from _pool import pool_factory
 
 import spccl_train
-from spccl_train.collectives import CollectiveConfig, CostModel, Phase, Thresholds, last_stats
+from spccl_train.collectives import CollectiveConfig, CostModel, EncodedPieces, Phase, Thresholds, last_stats
 from spccl_train.collectives.choice import NATIVE_MARGIN
 from spccl_train.collectives.chunking import ChunkLayout
 from spccl_train.collectives.cost import CodecCost, LinkCost
 from spccl_train.collectives.exchange import exchange_rounds
-from spccl_train.formats import Format, message_bytes
+from spccl_train.formats import Format, compress_into, message_bytes
 
 SEED = int(os.environ.get("SPCCL_TEST_SEED", random.SystemRandom().randrange(2**31)))
 os.environ["SPCCL_TEST_SEED"] = str(SEED)  # the spawned ranks import this module and must draw alike
@@ -993,3 +993,61 @@ def test_bad_bounds_raise(pools):
         assert "bounds must be a sequence" in messages[3], messages[3]
         assert "gather_counts='measured'" in messages[4], messages[4]
         assert "too small for the Pici payload" in messages[5], messages[5]
+
+
+def _encode(x: torch.Tensor, layout: ChunkLayout) -> EncodedPieces:
+    """``x`` as an all-reduce's encoded input, the way the docs show any caller making one."""
+    encoded = EncodedPieces.empty(layout, x.dtype, x.device)
+    for i, piece in enumerate(encoded.pieces):
+        encoded.nnz[i : i + 1] = compress_into("pici", x, encoded.payload(i), offset=piece.start, n=piece.numel)
+    return encoded
+
+
+def _job_encoded_input(rank, world, seed):
+    """An all-reduce of encoded input equals the all-reduce of the tensor it encodes, bit for bit, on
+    every path (direct sends the payloads; the others decode them first), whatever the tensor held."""
+    n = 3 * TILE + 11
+    cases = [
+        ("auto", "auto", "auto", 1, None),
+        ("direct", "pici", "auto", 2, None),
+        ("direct", "pici", "measured", 2, None),
+        ("direct", "auto", "auto", 1, None),
+        ("direct", "coo", "auto", 1, None),
+        ("ring", "pici", "auto", 2, None),
+        ("auto", "dense", "auto", 1, None),  # native
+        ("direct", "pici", "bound", 1, "bounds"),
+    ]
+    for dtype in (torch.float32, torch.bfloat16):
+        for sparsity in (0.99, 0.5):
+            xs = _inputs(_seed(seed, str(dtype), sparsity), world, n, dtype, sparsity, "random")
+            for algorithm, fmt, gather, channels, bounds in cases:
+                what = f"encoded {algorithm}/{fmt}/{gather} ch{channels} {dtype} {sparsity}"
+                cfg = CollectiveConfig(format=fmt, algorithm=algorithm, channels=channels, gather_counts=gather)
+                layout = ChunkLayout.of("all_reduce", n, world, channels)
+                table = [[piece.numel for chunk in layout.pieces for piece in chunk]] * world if bounds else None
+                plain = xs[rank].clone()
+                spccl_train.all_reduce(plain, config=cfg, bounds=table)
+                expected = last_stats()
+                got = torch.full((n,), float("nan"), dtype=dtype)  # never read
+                spccl_train.all_reduce(got, config=cfg, bounds=table, encoded=_encode(xs[rank], layout))
+                stats = last_stats()
+                _check_sum(got, xs, what)
+                assert int(stats.decode_status) == 0, what
+                chose = (stats.algorithm, stats.format, stats.gather_counts)
+                if chose == (expected.algorithm, expected.format, expected.gather_counts):  # auto learns between calls
+                    # bit for bit, but for the sign of zero: a payload carries -0.0 as zero (FORMATS.md)
+                    assert torch.equal((got + 0.0).view(INT_OF[dtype]), (plain + 0.0).view(INT_OF[dtype])), what
+                    assert stats.bytes_sent == expected.bytes_sent, what
+                else:
+                    assert "auto" in (algorithm, fmt), what  # native was weighed too
+    # a payload set for another cut is refused, naming both
+    enc = _encode(xs[rank], ChunkLayout.of("all_reduce", n, world, 2))
+    with pytest.raises(ValueError, match="2 channels, but the call cuts .* 1 channels"):
+        spccl_train.all_reduce(torch.empty(n, dtype=xs.dtype), encoded=enc)
+    with pytest.raises(TypeError, match="encoded must be an EncodedPieces"):
+        spccl_train.all_reduce(torch.empty(n, dtype=xs.dtype), encoded=xs[rank])
+    return True
+
+
+def test_encoded_input(pools):
+    pools(3).run(_job_encoded_input, _seed("encoded input"))

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from spccl_train._ext import kernels_available
+from spccl_train.collectives import CollectiveConfig
 from spccl_train.ddp import SparseHookState, sparse_allreduce_hook
 
 from _gpu_ranks import gpu_world, init_gpu_rank  # noqa: I001 (a sibling test module)
@@ -66,6 +67,31 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
             summary = state.summary()
             if not torch.isfinite(loss) or not 0.005 < summary.density < 0.02 or summary.bytes_ratio >= 1:
                 failures.append(f"{dtype}: loss {loss.item()}, {summary}")
+        # Pruning to the wire (direct Pici, the default): the same gradients, bit for bit, as pruning
+        # in place and encoding, eager or replayed from CUDA graphs, in every overlap mode.
+        for overlap, graphs in ((False, False), ("stream", False), (True, False), ("stream", True)):
+            models, states = [], []
+            for wire in (True, False):
+                model = DDP(_model(device), device_ids=[device.index], bucket_cap_mb=0.5)
+                cfg = CollectiveConfig(format="pici", algorithm="direct", cuda_graphs=graphs)
+                state = SparseHookState(
+                    density=0.01, sample_fraction=0.05, collective_config=cfg, overlap=overlap, prune_to_wire=wire
+                )
+                model.register_comm_hook(state, sparse_allreduce_hook)
+                models.append(model)
+                states.append(state)
+            for step in range(6):
+                x = torch.randn(32, 64, device=device, generator=g)
+                for model in models:
+                    model.zero_grad()
+                    model(x).square().mean().backward()
+                for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+                    if not torch.equal(a.grad, b.grad):
+                        failures.append(f"prune_to_wire, overlap={overlap}, graphs={graphs}, step {step}: grads differ")
+                        break
+            wired = [bucket.encoded is not None for bucket in states[0].buckets.values()]
+            if not any(wired) or states[0].decode_failures():
+                failures.append(f"prune_to_wire, overlap={overlap}, graphs={graphs}: {wired}, {states[0].summary()}")
         # Bounded planning (capacity_factor): exchanges only in the first sparse iteration, in every
         # overlap mode; the decoders never see a broken bound.
         for overlap in (False, "stream", True):

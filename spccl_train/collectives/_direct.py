@@ -34,6 +34,7 @@ from ..formats import Format
 from ..transport import P2PTransport
 from ._wire import StatusSink, carve, decode, encode
 from .chunking import ChunkLayout
+from .encoded import EncodedPieces
 from .plan import WIRE_FORMATS, Messages, Route, Step
 
 __all__ = ["direct_reduce_scatter", "direct_all_gather", "direct_all_reduce"]
@@ -54,12 +55,17 @@ def direct_reduce_scatter(
     out: torch.Tensor | None,
     sink: StatusSink,
     after_wave: Callable[[int], object] | None = None,
+    encoded: EncodedPieces | None = None,
 ) -> dict[tuple[int, int], torch.Tensor]:
     """Sum chunk ``rank`` of every rank's ``x`` into ``out`` (``None``: into ``x``'s own chunk).
 
     ``x`` is read only when ``out`` is given; ``out`` may be ``x``'s own chunk (in place). Returns
     the Pici payloads this rank sent, by piece ``(start, numel)``: what those pieces of ``x`` hold.
     ``after_wave(k)`` is called as soon as piece ``k`` of the result is final.
+
+    ``encoded``: this rank's input as payloads (``x``'s contents unread): a Pici message is its
+    piece's payload, copied as it is; a piece sent in another format, and the own chunk, are
+    decoded into ``x`` first. Then ``x``'s other pieces do not hold what was sent: nothing is returned.
     """
     rank, p, ch = transport.rank, transport.world, layout.channels
     dtype = x.dtype
@@ -67,21 +73,29 @@ def direct_reduce_scatter(
     messages = step.messages
     sends, receives = messages.columns["src"] == rank, messages.columns["dst"] == rank
     in_splits, out_splits = _splits(messages, sends, "dst", ch, p), _splits(messages, receives, "src", ch, p)
-    send_waves = _waves(messages, sends, ch, "start", "numel", "format", "nbytes")  # dst order: the all-to-all's input
+    send_waves = _waves(messages, sends, ch, "start", "numel", "format", "nbytes", "dst", "piece")  # dst order
     recv_waves = _waves(messages, receives, ch, "start", "numel", "format", "nbytes")  # src order: its output
     wide = dtype != torch.float32
     bufs = carve(x.device, [*map(sum, in_splits), *map(sum, out_splits), 4 * own.numel if wide else 0])
     sendbufs, recvbufs, wide_acc = bufs[:ch], bufs[ch : 2 * ch], bufs[-1]
     sent = {}
     works = []
+    if encoded is not None:
+        encoded.decode_into(x, [rank], sink=sink)
     for k in range(ch):
         offset = 0
-        for start, numel, code, nbytes in send_waves[k]:
+        for start, numel, code, nbytes, dst, piece in send_waves[k]:
             slot = sendbufs[k][offset : offset + nbytes]
             fmt = WIRE_FORMATS[code]
-            encode(fmt, numel, nbytes, x, start, slot)
-            if fmt is Format.PICI:
-                sent[(start, numel)] = slot
+            if encoded is None:
+                encode(fmt, numel, nbytes, x, start, slot)
+                if fmt is Format.PICI:
+                    sent[(start, numel)] = slot
+            elif fmt is Format.PICI:
+                slot.copy_(encoded.payload(dst * ch + piece)[:nbytes])
+            else:
+                encoded.decode_piece_into(x, dst, piece, sink=sink)
+                encode(fmt, numel, nbytes, x, start, slot)
             offset += nbytes
         works.append(transport.all_to_all(recvbufs[k], sendbufs[k], out_splits[k], in_splits[k]))
     target = x[own.start : own.stop] if out is None else out
@@ -137,17 +151,24 @@ def direct_all_gather(
 
 
 def direct_all_reduce(
-    transport: P2PTransport, scatter: Step, gather: Step, layout: ChunkLayout, x: torch.Tensor, sink: StatusSink
+    transport: P2PTransport,
+    scatter: Step,
+    gather: Step,
+    layout: ChunkLayout,
+    x: torch.Tensor,
+    sink: StatusSink,
+    encoded: EncodedPieces | None = None,
 ) -> None:
     """Sum ``x`` over the ranks in place: the direct reduce-scatter, then the direct all-gather.
 
     The gather of wave ``k`` is encoded and posted as soon as the reduce-scatter has summed wave
     ``k``, before the later waves are summed, so on a GPU its transfer runs beside their
     accumulation. Its decodes patch pieces that stay sparse (see :data:`PATCH_MAX_DENSITY`): the
-    pieces of ``x`` still hold what this rank sent in the reduce-scatter.
+    pieces of ``x`` still hold what this rank sent in the reduce-scatter (unless the input came
+    ``encoded``: then every piece is overwritten).
     """
     phase = _Gather(transport, gather, layout, x, x, 0, sink)
-    held = direct_reduce_scatter(transport, scatter, layout, x, None, sink, after_wave=phase.post)
+    held = direct_reduce_scatter(transport, scatter, layout, x, None, sink, after_wave=phase.post, encoded=encoded)
     phase.finish(held)
 
 

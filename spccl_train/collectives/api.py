@@ -36,6 +36,7 @@ from .choice import NATIVE_MARGIN, Candidate, decide, plan_candidate
 from .chunking import ChunkLayout, count_nonzero_pieces
 from .config import CollectiveConfig
 from .cost import CostModel
+from .encoded import EncodedPieces
 from .exchange import (
     Counts,
     Problem,
@@ -301,6 +302,7 @@ def all_reduce(
     planning_stream: torch.cuda.Stream | None = None,
     bounds: Sequence[Sequence[int]] | None = None,
     graph_tag: Hashable = None,
+    encoded: EncodedPieces | None = None,
 ) -> CollectiveWork | None:
     """Sum ``tensor`` over ranks, in place, sparsely.
 
@@ -309,6 +311,15 @@ def all_reduce(
         group, async_op, config, planning_group, planning_stream, bounds, graph_tag: as for
             :func:`all_gather_into_tensor`.
         op: only ``ReduceOp.SUM``.
+        encoded: this rank's contribution already encoded, one Pici payload per piece of the
+            call's layout (:class:`~.encoded.EncodedPieces`, e.g. from
+            :meth:`spccl_train.pruning.Pruner.prune_to_wire`); then ``tensor``'s contents are not
+            read, only overwritten with the sum. The direct algorithm counts nothing (the payloads
+            carry their counts) and sends the payloads as they are (with ``bounds``, each message
+            sized for its bound; under ``cuda_graphs`` a replay reads the payloads' buffer it was
+            captured with); any other path (ring, native, hierarchical, a format without Pici)
+            first decodes them into ``tensor``. The payloads must be ready on ``planning_stream``
+            (or the current stream).
 
     Example::
 
@@ -316,7 +327,17 @@ def all_reduce(
     """
     _check_op(op, "all_reduce")
     return _call(
-        "all_reduce", tensor, tensor, group, async_op, config, planning_group, planning_stream, bounds, graph_tag
+        "all_reduce",
+        tensor,
+        tensor,
+        group,
+        async_op,
+        config,
+        planning_group,
+        planning_stream,
+        bounds,
+        graph_tag,
+        encoded,
     )
 
 
@@ -338,6 +359,7 @@ def _call(
     planning_stream: torch.cuda.Stream | None = None,
     bounds: Sequence[Sequence[int]] | None = None,
     graph_tag: Hashable = None,
+    encoded: EncodedPieces | None = None,
 ) -> CollectiveWork | None:
     for name, t in (("output", output), ("input", input)):
         if not isinstance(t, torch.Tensor):
@@ -362,25 +384,73 @@ def _call(
         _check_hierarchical(transport, config, bounds)
     with torch.no_grad():
         graphed = _graphable(config, input, output, transport)
+        decoded = None  # statuses of decoding ``encoded`` into the input up front
+        if encoded is not None:
+            _check_encoded(encoded, collective, input, transport, config)
+            if not _may_send_encoded(config, transport):
+                decoded = StatusSink(input.device)
+                encoded.decode_into(input, sink=decoded)
+                encoded = None
         exchanged = (
             graphed and bounds is None and not (collective == "all_reduce" and config.gather_counts == "measured")
         )
         fingerprint = config.fingerprint() + _nodes(_ranks_per_node(config, transport)) if graphed else ""
         if exchanged:  # plan from the exchanged counts, rounded up so that calls repeat and replay
             bounds = _measured_bounds(
-                collective, transport, config, fingerprint, input, output, planner, planning_stream, graph_tag
+                collective, transport, config, fingerprint, input, output, planner, planning_stream, graph_tag, encoded
             )
         if graphed and bounds is not None:
-            key = graph_key(collective, transport, input, output, fingerprint, bounds, graph_tag)
+            key = graph_key(collective, transport, input, output, fingerprint, bounds, graph_tag) + (encoded is None,)
             stats, event = run_graphed(
-                key, input, output, lambda: _run(collective, transport, config, input, output, planner, None, bounds)
+                key,
+                input,
+                output,
+                lambda: _run(collective, transport, config, input, output, planner, None, bounds, encoded),
+                None if encoded is None else encoded.buffer,
             )
             if exchanged:
                 stats.exchanges = 1
         else:
-            stats, event = _run(collective, transport, config, input, output, planner, planning_stream, bounds)
+            stats, event = _run(collective, transport, config, input, output, planner, planning_stream, bounds, encoded)
+        if decoded is not None:
+            _add_statuses(stats, decoded)
     _local.stats = stats
     return CollectiveWork([output], stats, event) if async_op else None
+
+
+def _check_encoded(
+    encoded: object, collective: str, tensor: torch.Tensor, transport: P2PTransport, config: CollectiveConfig
+) -> None:
+    """Raise (naming what differs and the fix) where ``encoded`` is not this call's input encoded."""
+    if not isinstance(encoded, EncodedPieces):
+        raise TypeError(f"encoded must be an EncodedPieces or None, got {type(encoded).__name__}")
+    layout = ChunkLayout.of(collective, tensor.numel(), transport.world, config.channels)
+    encoded.check_call(collective, tensor, layout)
+
+
+def _may_send_encoded(config: CollectiveConfig, transport: P2PTransport) -> bool:
+    """Whether a call of ``config`` may run the direct algorithm with Pici payloads (else encoded
+    input is decoded up front)."""
+    return transport.world > 1 and config.algorithm in ("auto", "direct") and config.format in ("auto", "pici")
+
+
+def _decoded_first(
+    encoded: EncodedPieces | None, x: torch.Tensor, sink: StatusSink, call: Callable[..., tuple], *args
+) -> tuple[CollectiveStats, torch.cuda.Event | None]:
+    """``call(*args)`` (a path that reads the input as it is), ``encoded`` decoded into ``x`` first
+    and its decoders' statuses added to the call's stats."""
+    if encoded is None:
+        return call(*args)
+    encoded.decode_into(x, sink=sink)
+    stats, event = call(*args)
+    _add_statuses(stats, sink)
+    return stats, event
+
+
+def _add_statuses(stats: CollectiveStats, sink: StatusSink) -> None:
+    """Add the decoder statuses of ``sink`` to a call's stats."""
+    extra = sink.collect()
+    stats._statuses = extra if stats._statuses is None else torch.cat([extra, stats._statuses])
 
 
 def _check_hierarchical(
@@ -692,9 +762,11 @@ def _run(
     planner: P2PTransport,
     planning_stream: torch.cuda.Stream | None,
     bounds: Sequence[Sequence[int]] | None = None,
+    encoded: EncodedPieces | None = None,
 ) -> tuple[CollectiveStats, torch.cuda.Event | None]:
     """One flat call, in stages: the request (checked locally), the counts (exchanged, or the
-    caller's bounds), the decision and this rank's plan, the executors, the stats."""
+    caller's bounds), the decision and this rank's plan, the executors, the stats. ``encoded``
+    (an all-reduce, eager, from counts): the input as payloads, decoded where the plan needs it."""
     p, r = transport.world, transport.rank
     timer = Span(inp.device)
     rpn = _ranks_per_node(config, transport)  # once: the exchange checks what the topology uses
@@ -707,10 +779,14 @@ def _run(
     # 1. counts: every rank ends this stage holding the same counts (or summaries)
     x = inp.view(-1) if not problems else inp
     corrections = _corrections(config, transport)
+    sink = StatusSink(inp.device)
     if bounds is None and _goes_native_unexchanged(collective, config, request, layout, transport, rpn):
         if planning_stream is not None:  # the input is ready on the planning stream
             torch.cuda.current_stream(inp.device).wait_stream(planning_stream)
-        return _native_call(collective, transport, config, rpn, layout, x, out.view(-1), corrections, timer)
+        return _decoded_first(
+            encoded, x, sink, _native_call, collective, transport, config, rpn, layout, x, out.view(-1), corrections,
+            timer,
+        )  # fmt: skip
     how, xdev = "", None  # the exchange protocol; none for a call with bounds
     if bounds is not None:  # planned from the caller's bounds: no count, no exchange, no synchronisation
         check_local(request, p, transport.backend)
@@ -727,7 +803,7 @@ def _run(
         how = protocol(p)
         counts, xdev = _exchange(
             collective, request, layout, x, Topology(p, rpn), planner, planning_stream, corrections, how,
-            whole_table=config.algorithm == "ring",
+            whole_table=config.algorithm == "ring", encoded=encoded,
         )  # fmt: skip
         _remember_checked(transport, request)
     topology = Topology(p, rpn)
@@ -747,9 +823,10 @@ def _run(
         if hierarchical.applies(topology) and layout.numel > 0:
             # the flat exchange before the steps
             flat = model.planning(collective, layout.numel, inp.dtype, p) + (rounds - 1) * model.exchange_s
-            return _hierarchical_call(
-                collective, transport, config, topology, inp, out, timer, flat, None, how, received
-            )
+            return _decoded_first(
+                encoded, x, sink, _hierarchical_call, collective, transport, config, topology, inp, out, timer, flat,
+                None, how, received,
+            )  # fmt: skip
         config = dataclasses.replace(config, algorithm="auto")  # (the memo key keeps "hierarchical")
     factors = corrections.factors_for(collective, nbytes) if corrections is not None else None
 
@@ -765,16 +842,15 @@ def _run(
     )  # fmt: skip
     if choice.algorithm == "hierarchical":  # auto chose it: the steps exchange and plan on the node subgroups
         chosen = (choice.predicted_s, weighed)
-        return _hierarchical_call(
-            collective, transport, config, topology, inp, out, timer, 0.0, chosen, how, received,
-            functools.partial(learn, choice=choice),
+        return _decoded_first(
+            encoded, x, sink, _hierarchical_call, collective, transport, config, topology, inp, out, timer, 0.0,
+            chosen, how, received, functools.partial(learn, choice=choice),
         )  # fmt: skip
 
     # 3. the executors
-    sink = StatusSink(inp.device)
     plan, extra = _execute(
         collective, choice, config, transport, plan, bound_gather, layout, topology, x, out.view(-1), aliased, sink,
-        xdev,
+        xdev, encoded,
     )  # fmt: skip
     sent, dense = (
         (plan.bytes_sent(r), plan.dense_bytes(r))
@@ -919,11 +995,17 @@ def _execute(
     aliased: bool,
     sink: StatusSink,
     xdev: torch.Tensor | None,
+    encoded: EncodedPieces | None = None,
 ) -> tuple[Plan | None, int]:
     """Run the chosen candidate: native, or this rank's plan through the executors of its
     algorithm. Returns the whole plan run (an all-reduce: both phases; native: ``None``) and the
-    extra count exchanges it made (1 for an all-reduce that measured its gather phase)."""
+    extra count exchanges it made (1 for an all-reduce that measured its gather phase).
+    ``encoded``: an all-reduce's input as payloads, which the direct reduce-scatter sends as they
+    are; other algorithms get it decoded into ``x``."""
     r = transport.rank
+    if encoded is not None and choice.algorithm != "direct":
+        encoded.decode_into(x, sink=sink)
+        encoded = None
     if choice.algorithm == "native":
         _native(collective, transport, x, y)
         return None, 0
@@ -938,9 +1020,9 @@ def _execute(
     # all-reduce: sized for what the sums can hold (no second exchange), or after measuring below
     gather, extra = bound_gather, 0
     if choice.algorithm == "direct" and gather is not None:  # both phases known: interleaved by wave
-        direct_all_reduce(transport, plan.steps[0], gather.steps[0], layout, x, sink)
+        direct_all_reduce(transport, plan.steps[0], gather.steps[0], layout, x, sink, encoded)
     else:
-        held = _scatter_phase(choice.algorithm, transport, plan, layout, x, None, sink, False)
+        held = _scatter_phase(choice.algorithm, transport, plan, layout, x, None, sink, False, encoded)
         if gather is None:  # measured: count the reduced chunk and exchange again
             reduced = exchange_reduced_counts(transport, count_nonzero_pieces(x, layout, [r], base=0), xdev)
             extra = 1
@@ -1118,16 +1200,19 @@ def _exchange(
     corrections: Corrections | None,
     how: str = "table",
     whole_table: bool = False,
+    encoded: EncodedPieces | None = None,
 ) -> tuple[Counts, torch.device]:
-    """Count this rank's pieces and exchange the counts (the call's host synchronisations) by the
-    ``how`` protocol (:func:`.exchange.protocol`), with the time of this rank's previous call on
-    the group, which ``corrections`` learns from."""
+    """Count this rank's pieces (``encoded``: read their payloads' counts) and exchange the counts
+    (the call's host synchronisations) by the ``how`` protocol (:func:`.exchange.protocol`), with
+    the time of this rank's previous call on the group, which ``corrections`` learns from."""
     r = planner.rank
     counts = None
     with torch.cuda.stream(planning_stream) if planning_stream is not None else contextlib.nullcontext():
         if layout is not None and not request.problems:
             if collective == "all_gather":
                 counts = count_nonzero_pieces(x, layout, [r], base=layout.chunks[r].start)
+            elif encoded is not None:
+                counts = encoded.nnz
             else:
                 counts = count_nonzero_pieces(x, layout)
         observed = corrections.report() if corrections is not None else -1
@@ -1160,6 +1245,7 @@ def _measured_bounds(
     planner: P2PTransport,
     planning_stream: torch.cuda.Stream | None,
     tag: Hashable,
+    encoded: EncodedPieces | None = None,
 ) -> list[list[int]]:
     """Bounds for a graphed call from its exchanged counts: the previous bounds of this call (same
     collective, group, tag, sizes, dtype and config) while every count fits and none is loose
@@ -1179,6 +1265,7 @@ def _measured_bounds(
         _corrections(config, transport),
         protocol(transport.world),
         whole_table=True,  # every rank derives every rank's bounds
+        encoded=encoded,
     )
     table = exchanged.table.tolist()
     assert layout is not None  # the exchange raised on every rank otherwise
@@ -1232,12 +1319,15 @@ def _scatter_phase(
     out: torch.Tensor | None,
     sink: StatusSink,
     aliased: bool,
+    encoded: EncodedPieces | None = None,
 ) -> dict[tuple[int, int], torch.Tensor] | None:
     """The reduce-scatter phase; direct returns the Pici payloads it sent (see ``direct_reduce_scatter``)."""
     if algorithm == "ring":
         ring_reduce_scatter(transport, plan.steps, layout, x, out, sink, out_aliases_x=aliased)
     elif plan.steps:
-        return direct_reduce_scatter(transport, plan.steps[0], layout, x, out, sink)
+        return direct_reduce_scatter(transport, plan.steps[0], layout, x, out, sink, encoded=encoded)
+    elif encoded is not None:  # nothing to send: the input is this rank's own chunk
+        encoded.decode_into(x, sink=sink)
     return None
 
 

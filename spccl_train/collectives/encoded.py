@@ -30,6 +30,7 @@ import torch
 
 from ..formats import Format, capacity_bytes, decompress_into
 from ..formats.layout import align16
+from ._wire import StatusSink
 from .chunking import ChunkLayout, Span
 
 __all__ = ["EncodedPieces"]
@@ -82,17 +83,30 @@ class EncodedPieces:
         """Whether these payloads are of ``layout``'s pieces and ``dtype`` (reusable for them)."""
         return (self.layout is layout or self.layout == layout) and self.dtype == dtype
 
-    def decode_into(self, out: torch.Tensor, chunks: range | list[int] | None = None) -> None:
+    def decode_into(
+        self, out: torch.Tensor, chunks: range | list[int] | None = None, *, sink: StatusSink | None = None
+    ) -> None:
         """Write the encoded data of ``chunks`` (default: all) into ``out`` (its elements, flat; every
-        element of those chunks is written). No host synchronisation on CUDA."""
-        flat = out.view(-1)
-        ch = self.layout.channels
+        element of those chunks is written). No host synchronisation on CUDA; the decoders'
+        statuses go to ``sink`` (without one, a bad payload raises, which synchronises)."""
         for q in range(self.layout.world) if chunks is None else chunks:
-            for k, piece in enumerate(self.layout.pieces[q]):
-                if piece.numel:
-                    decompress_into(
-                        Format.PICI, self.payload(q * ch + k), flat, offset=piece.start, n=piece.numel, check=False
-                    )
+            for k in range(self.layout.channels):
+                self.decode_piece_into(out, q, k, sink=sink)
+
+    def decode_piece_into(self, out: torch.Tensor, chunk: int, piece: int, *, sink: StatusSink | None = None) -> None:
+        """Write piece ``piece`` of chunk ``chunk`` into ``out`` (see :meth:`decode_into`)."""
+        span = self.layout.pieces[chunk][piece]
+        if span.numel:
+            status = decompress_into(
+                Format.PICI,
+                self.payload(chunk * self.layout.channels + piece),
+                out.view(-1),
+                offset=span.start,
+                n=span.numel,
+                check=sink is None,
+            )
+            if sink is not None:
+                sink.add(status)
 
     def check_call(self, collective: str, tensor: torch.Tensor, layout: ChunkLayout | None) -> None:
         """Raise ``ValueError`` / ``TypeError`` naming what differs, where these payloads are not

@@ -61,6 +61,8 @@ class _Local:
     out_dtype: torch.dtype
     device: int
     stream: int
+    extra: int = 0
+    """The address of one more buffer the call reads (an all-reduce's encoded input), or 0."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -117,13 +119,14 @@ def remember_bounds(name: tuple, bounds: list[list[int]]) -> None:
         _bounds[name] = bounds
 
 
-def _local(inp: torch.Tensor, out: torch.Tensor) -> _Local:
+def _local(inp: torch.Tensor, out: torch.Tensor, extra: torch.Tensor | None) -> _Local:
     return _Local(
         inp=inp.data_ptr(),
         out=out.data_ptr(),
         out_dtype=out.dtype,
         device=inp.device.index,
         stream=torch.cuda.current_stream(inp.device).cuda_stream,
+        extra=0 if extra is None else extra.data_ptr(),
     )
 
 
@@ -132,18 +135,20 @@ def run_graphed(
     inp: torch.Tensor,
     out: torch.Tensor,
     run: Callable[[], tuple[Any, torch.cuda.Event | None]],
+    extra: torch.Tensor | None = None,
 ) -> tuple:
     """``run()``'s ``(stats, event)``, eagerly, captured or replayed as the key's history says.
 
     ``stats`` must be a :class:`~.api.CollectiveStats` (fields ``graph``, ``_statuses``, ``_timer``);
     ``run`` checks the arguments (an eager call raises on bad ones before anything is recorded).
+    ``extra``: one more tensor the call reads, whose address a replay must match too.
     """
     if torch.cuda.is_current_stream_capturing():
         return run()  # the caller's own capture records the eager call
     with _lock:
         entry = _graphs.get(key)
         if entry is not None:
-            local = _local(inp, out)
+            local = _local(inp, out, extra)
             if local != entry.local:
                 raise ValueError(
                     f"cuda_graphs: this {key[0]} was captured with other tensors or on another stream "
@@ -160,7 +165,7 @@ def run_graphed(
                 _seen.clear()
             _seen.add(key)
             return result
-        return _capture(key, inp, out, run)
+        return _capture(key, inp, out, run, extra)
 
 
 def _replay(entry: _Entry, device: torch.device) -> tuple:
@@ -172,10 +177,14 @@ def _replay(entry: _Entry, device: torch.device) -> tuple:
 
 
 def _capture(
-    key: tuple, inp: torch.Tensor, out: torch.Tensor, run: Callable[[], tuple[Any, torch.cuda.Event | None]]
+    key: tuple,
+    inp: torch.Tensor,
+    out: torch.Tensor,
+    run: Callable[[], tuple[Any, torch.cuda.Event | None]],
+    extra: torch.Tensor | None,
 ) -> tuple:
     device = inp.device
-    local = _local(inp, out)
+    local = _local(inp, out, extra)
     current = torch.cuda.current_stream(device)
     streams = getattr(_threads, "streams", None)
     if streams is None:

@@ -42,6 +42,10 @@ class SpcclMegatronConfig:
     is planned from those bounds with no host synchronisation (as ``SparseHookState``'s
     ``capacity_factor``; with ``collective.cuda_graphs`` it is replayed from a CUDA graph).
     Needs ``prune=True``."""
+    prune_to_wire: bool = True
+    """Prune an all-reduced bucket straight into the all-reduce's Pici payloads where it can send
+    them as they are (as ``SparseHookState``'s ``prune_to_wire``); ``False`` saves the payloads'
+    buffer (about the bucket's size) per bucket."""
     dense_iterations: int = 0
     """Reductions of each bucket done by Megatron's dense collective before SpCCL takes over.
     Megatron fixes its buckets when the model is wrapped, so none are needed for correctness;

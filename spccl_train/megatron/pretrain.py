@@ -477,6 +477,7 @@ def _spccl_config(cfg: ExperimentConfig, local_world: int):
         collective=collective_config(cfg, local_world),
         dense_iterations=s.dense_iterations,
         capacity_factor=capacity_factor(cfg, local_world),
+        prune_to_wire=s.prune_to_wire,
     )
 
 

@@ -63,7 +63,12 @@ class SpcclMegatronState:
             raise TypeError(f"config must be a SpcclMegatronConfig or None, got {type(config).__name__}")
         self.config = config
         self.reducer = BucketReducer(
-            Pruner(config.pruning), config.prune, config.collective, config.capacity_factor, "megatron"
+            Pruner(config.pruning),
+            config.prune,
+            config.collective,
+            config.capacity_factor,
+            "megatron",
+            config.prune_to_wire,
         )
         self._buckets: weakref.WeakKeyDictionary[object, BucketState] = weakref.WeakKeyDictionary()
         self._next_index = 0

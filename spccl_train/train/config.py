@@ -212,6 +212,10 @@ class SpcclConfig:
     few milliseconds of socket latency) but pad each piece to ``capacity_factor`` times its share:
     9.1% of the dense bytes instead of about 3% for GPT-2 XL on 2 ranks, which on a network 10-50x
     slower than NVLink costs far more than the synchronisation. ``false``: bounds everywhere."""
+    prune_to_wire: bool = True
+    """Prune each bucket straight into the sparse all-reduce's Pici payloads where it sends them as
+    they are (``SparseHookState``'s ``prune_to_wire``): one pass instead of two; costs a payload
+    buffer about the size of each bucket. ``false``: prune in place, then encode."""
     cuda_graphs: bool = False
     """With ``capacity_factor``, on GPUs: replay each bucket's bounded reduction from a captured
     CUDA graph (``CollectiveConfig.cuda_graphs``), so it costs ~0.1 ms of host time."""

@@ -355,6 +355,7 @@ def _hook(
         seed=cfg.train.seed,
         overlap={"auto": None, "on": True, "off": False, "stream": "stream"}[s.overlap],
         capacity_factor=capacity_factor(cfg, local_world),
+        prune_to_wire=s.prune_to_wire,
     )
     timed = TimedHook(state, spccl_ddp.sparse_allreduce_hook, timeline)
     model.register_comm_hook(timed, timed_hook)
