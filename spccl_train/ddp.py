@@ -139,10 +139,12 @@ class SparseHookState:
             messages are sized for those bounds (an all-reduce's gather phase for the sum of
             every rank's bound, so larger ``f`` sends more padding). Needs ``prune=True``.
         prune_to_wire: prune each bucket straight into the sparse all-reduce's Pici payloads where
-            the all-reduce can send them as they are (direct or ``auto`` algorithm, Pici or ``auto``
-            format, no ``capacity_factor``): one pass over gradient and error buffer instead of
-            pruning in place and encoding again (:meth:`~spccl_train.pruning.Pruner.prune_to_wire`).
-            Each bucket keeps its payloads' buffer, about the bucket's size; ``False`` saves that memory.
+            the all-reduce will send them as they are (direct or ``auto`` algorithm, no
+            ``capacity_factor``, format Pici, or ``auto`` where the bucket's last reduction chose
+            direct Pici: :mod:`spccl_train.reducer`): one pass over gradient and error buffer
+            instead of pruning in place and encoding again
+            (:meth:`~spccl_train.pruning.Pruner.prune_to_wire`). Each bucket then keeps its
+            payloads' buffer, about the bucket's size; ``False`` saves that memory.
         planning_group: ``overlap="stream"`` only: a group of the same ranks as ``process_group``
             on which the planning exchanges run, so that planning a bucket does not wait for the
             previous bucket's transfers (NCCL runs one group's operations in order). ``None``:
