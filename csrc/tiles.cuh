@@ -16,10 +16,17 @@
 
 namespace spccl {
 
+// The same for 16-bit elements, whose tiles take half the shared memory: measured on H200 (1 GiB
+// bf16, fraction of copy at 50 / 90 / 99% sparsity): 5: 0.49 / 0.48 / 0.49; 6: the same;
+// 8: 0.52 / 0.52 / 0.52; 10: 0.51 / 0.51 / 0.52 (bench/results/2026-11-26_wire/README.md).
+#ifndef SPCCL_COMPRESS_MIN_BLOCKS_16
+#define SPCCL_COMPRESS_MIN_BLOCKS_16 8
+#endif
+
 template <typename T>
 struct PlainTile {
   using Bits = T;
-  static constexpr int kMinBlocks = SPCCL_COMPRESS_MIN_BLOCKS;
+  static constexpr int kMinBlocks = sizeof(T) == 2 ? SPCCL_COMPRESS_MIN_BLOCKS_16 : SPCCL_COMPRESS_MIN_BLOCKS;
   struct Source {
     const T* src;
     int64_t n;
