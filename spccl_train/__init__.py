@@ -10,6 +10,7 @@ from .collectives import (
     reduce_scatter_single,
     reduce_scatter_tensor,
 )
+from .sparse_config import SparseConfig
 
 __all__ = [
     "formats",
@@ -19,5 +20,6 @@ __all__ = [
     "reduce_scatter_single",
     "all_reduce",
     "CollectiveConfig",
+    "SparseConfig",
     "__version__",
 ]

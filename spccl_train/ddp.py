@@ -3,7 +3,7 @@
 Example::
 
     >>> model = DDP(model, bucket_cap_mb=spccl_train.ddp.RECOMMENDED_BUCKET_CAP_MB)
-    >>> state = spccl_train.ddp.SparseHookState(process_group=None, density=0.01)
+    >>> state = spccl_train.ddp.SparseHookState(config=SparseConfig(pruning={"density": 0.01}))
     >>> model.register_comm_hook(state, spccl_train.ddp.sparse_allreduce_hook)
     >>> ...train...
     >>> print(state.summary())
@@ -24,7 +24,6 @@ without an active exception"). Importing this module imports that one first, so 
 happens while there is no group.
 """
 
-import dataclasses
 import queue
 import threading
 import weakref
@@ -35,13 +34,15 @@ import torch.distributed.nn.functional
 
 from ._timing import Span
 from .collectives import CollectiveConfig
-from .pruning import PruneConfig, Pruner, PruneResult, check_capacity_factor
-from .reducer import BucketReducer, BucketState
+from .pruning import Pruner, PruneResult
+from .reducer import BucketReducer, BucketState, ReductionSummary
+from .sparse_config import SparseConfig
 
 __all__ = [
     "RECOMMENDED_BUCKET_CAP_MB",
     "DenseHookState",
-    "HookSummary",
+    "ReductionSummary",
+    "SparseConfig",
     "SparseHookState",
     "dense_allreduce_hook",
     "sparse_allreduce_hook",
@@ -51,71 +52,19 @@ RECOMMENDED_BUCKET_CAP_MB = 256
 """DDP bucket size for sparse all-reduce: large messages amortise the per-call planning exchange."""
 
 
-class SummaryRatios:
-    """Density and bytes ratio of a summary with ``kept``, ``elements``, ``bytes_sent`` and
-    ``dense_bytes`` (:class:`HookSummary`, ``spccl_train.megatron.MegatronSummary``)."""
-
-    __slots__ = ()
-
-    @property
-    def density(self) -> float:
-        """Achieved density: kept / elements."""
-        return self.kept / self.elements if self.elements else 0.0
-
-    @property
-    def bytes_ratio(self) -> float:
-        """Bytes sent over dense bytes (below 1 saves traffic)."""
-        return self.bytes_sent / self.dense_bytes if self.dense_bytes else 0.0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class HookSummary(SummaryRatios):
-    """Totals since the state was made (or :meth:`SparseHookState.reset_stats`)."""
-
-    iterations: int
-    """Iterations run, dense warm-up included."""
-    sparse_calls: int
-    """Buckets reduced through SpCCL."""
-    elements: int
-    """Gradient elements that went through SpCCL."""
-    kept: int
-    """Elements kept by pruning (all elements when pruning is off)."""
-    bytes_sent: int
-    """Bytes this rank sent in SpCCL calls."""
-    dense_bytes: int
-    """Bytes a dense ring all-reduce would have sent for the same calls."""
-    prune_seconds: float
-    """Time in pruning (device time on CUDA)."""
-    allreduce_seconds: float
-    """Time from issuing each sparse all-reduce to its completion."""
-    deferred: int = 0
-    """Elements pruning kept but the capacity (``capacity_factor``) left in the error buffers
-    for a later step."""
-    exchanges: int = 0
-    """Planning exchanges (host synchronisations) the sparse all-reduces made."""
-
-
 class SparseHookState:
     """State of :func:`sparse_allreduce_hook`: configuration, per-bucket error buffers, statistics.
 
     Args:
         process_group: the group to reduce over (``None``: the default group). Not pickled.
-        density: fraction of each bucket kept by pruning (0.01 = 99% sparse).
-        sample_fraction: fraction of each bucket sampled to pick the pruning threshold.
-        decay: leak of the error feedback (0 drops what pruning removed; 1 keeps all of it).
-        error_dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` error buffers.
-        prune: ``False`` skips pruning: an exact sparse all-reduce of whatever the gradients hold.
-        format, algorithm: of the sparse all-reduce (see :class:`CollectiveConfig`); ignored when
-            ``collective_config`` is given.
-        collective_config: full control of the collective (thresholds, topology, channels).
-        dense_iterations: iterations reduced densely first. DDP rebuilds its buckets after the
-            first iteration, and error buffers are kept per bucket, so at least 1.
-        warmup_steps: sparse iterations over which the kept fraction decays exponentially from 1
-            to ``density`` (Deep Gradient Compression's warm-up; :meth:`PruneConfig.density_at`),
-            counted from the first sparse iteration: iteration ``i`` prunes to
-            ``density_at(i - dense_iterations)``, and ``density`` itself from iteration
-            ``dense_iterations + warmup_steps`` on. 0: ``density`` from the first sparse iteration.
-        seed: base seed of the threshold sampling.
+        config: the :class:`~spccl_train.sparse_config.SparseConfig` (or a mapping of its fields):
+            ``pruning`` (density, sampling, error-feedback decay, error dtype, seed, density
+            warm-up), ``collective`` (format, algorithm, thresholds, topology, channels, CUDA
+            graphs), ``capacity_factor``, ``prune_to_wire`` and ``dense_iterations`` (``None``:
+            1; DDP rebuilds its buckets after the first iteration, and error buffers are kept per
+            bucket, so at least 1). Iteration ``i`` prunes to
+            ``pruning.density_at(i - dense_iterations)``: the warm-up counts from the first sparse
+            iteration. Default: prune to 1%, ``auto`` format and algorithm.
         overlap: where pruning and the sparse all-reduce run. ``False``: on the hook's thread
             and the current stream, in line with the backward pass. ``"stream"``: on the hook's
             thread, pruning, counting and the planning exchange on one side CUDA stream and the
@@ -127,24 +76,6 @@ class SparseHookState:
             mode but ``True`` runs in line. Off by default; ``examples/gpt2_xl`` has the 4 H200
             measurements of each (the thread competes with the backward pass for the
             interpreter lock).
-        capacity_factor: ``None`` (default): every sparse all-reduce counts its nonzeros and
-            exchanges the counts, a host synchronisation per bucket that stalls the host thread
-            launching the backward pass until the bucket's pruning is done. A factor ``f >= 1``:
-            after a bucket's first sparse iteration (planned with the exchange, which also checks
-            that every rank's bucket agrees) its all-reduce is planned from bounds and makes **no
-            host synchronisation**: each piece of the bucket (one per rank and channel) keeps at
-            most ``ceil(f * density * piece size)`` nonzeros, the excess (the last ones in
-            position order) staying undecayed in the error buffer for a later step
-            (:func:`spccl_train.pruning.cap_ranges`; counted in ``HookSummary.deferred``), and
-            messages are sized for those bounds (an all-reduce's gather phase for the sum of
-            every rank's bound, so larger ``f`` sends more padding). Needs ``prune=True``.
-        prune_to_wire: prune each bucket straight into the sparse all-reduce's Pici payloads where
-            the all-reduce will send them as they are (direct or ``auto`` algorithm, no
-            ``capacity_factor``, format Pici, or ``auto`` where the bucket's last reduction chose
-            direct Pici: :mod:`spccl_train.reducer`): one pass over gradient and error buffer
-            instead of pruning in place and encoding again
-            (:meth:`~spccl_train.pruning.Pruner.prune_to_wire`). Each bucket then keeps its
-            payloads' buffer, about the bucket's size; ``False`` saves that memory.
         planning_group: ``overlap="stream"`` only: a group of the same ranks as ``process_group``
             on which the planning exchanges run, so that planning a bucket does not wait for the
             previous bucket's transfers (NCCL runs one group's operations in order). ``None``:
@@ -168,42 +99,20 @@ class SparseHookState:
     def __init__(
         self,
         process_group: dist.ProcessGroup | None = None,
+        config: SparseConfig | None = None,
         *,
-        density: float = 0.01,
-        sample_fraction: float = 0.001,
-        decay: float = 0.9,
-        error_dtype: str = "float32",
-        prune: bool = True,
-        format: str = "auto",
-        algorithm: str = "auto",
-        collective_config: CollectiveConfig | None = None,
-        dense_iterations: int = 1,
-        warmup_steps: int = 0,
-        seed: int = 0,
         overlap: bool | str | None = False,
         planning_group: dist.ProcessGroup | None = None,
-        capacity_factor: float | None = None,
-        prune_to_wire: bool = True,
     ) -> None:
-        capacity_factor = check_capacity_factor(capacity_factor, prune)
+        config = SparseConfig.of(config)
+        dense_iterations = config.dense_iterations_or(1)
         if dense_iterations < 1:
             raise ValueError(
                 f"dense_iterations={dense_iterations}: DDP rebuilds its buckets after the first iteration, "
                 "so reduce at least 1 iteration densely"
             )
         self.process_group = process_group
-        pruner = Pruner(
-            PruneConfig(
-                density=density,
-                sample_fraction=sample_fraction,
-                decay=decay,
-                error_dtype=error_dtype,
-                seed=seed,
-                warmup_steps=warmup_steps,
-            )
-        )
-        config = collective_config or CollectiveConfig(format=format, algorithm=algorithm)
-        self.reducer = BucketReducer(pruner, prune, config, capacity_factor, "ddp", prune_to_wire)
+        self.reducer = BucketReducer(config, "ddp")
         self.dense_iterations = dense_iterations
         if overlap not in (True, False, None, "stream"):
             raise ValueError(f"overlap={overlap!r} must be False, True, None (True on CUDA) or 'stream'")
@@ -213,6 +122,11 @@ class SparseHookState:
         self.planning_group = planning_group
         self.iteration = 0
         self.buckets: dict[int, BucketState] = {}
+
+    @property
+    def config(self) -> SparseConfig:
+        """The settings this state was made with."""
+        return self.reducer.settings
 
     @property
     def pruner(self) -> Pruner:
@@ -255,28 +169,17 @@ class SparseHookState:
         """Zero the statistics (not the error buffers)."""
         self.reducer.reset_stats()
 
-    def summary(self) -> HookSummary:
-        """Totals so far. Reads device timers and counters: call it off the hot path."""
-        t = self.reducer.totals()
-        return HookSummary(
-            iterations=self.iteration,
-            sparse_calls=t.reductions,
-            elements=t.elements,
-            kept=t.kept,
-            bytes_sent=t.bytes_sent,
-            dense_bytes=t.dense_bytes,
-            prune_seconds=t.prune_seconds,
-            allreduce_seconds=t.reduce_seconds,
-            deferred=t.deferred,
-            exchanges=t.exchanges,
-        )
+    def summary(self) -> ReductionSummary:
+        """Totals so far (the dense warm-up's reductions counted too). Reads device timers and
+        counters: call it off the hot path."""
+        return self.reducer.summary()
 
     def decode_failures(self) -> int:
         """Sparse all-reduces whose decoders reported a bad payload (reads device statuses: off the hot path).
 
         With ``capacity_factor`` the bounds hold by construction, so anything but 0 is a bug to report.
         """
-        return self.reducer.totals().decode_failures
+        return self.reducer.summary().decode_failures
 
     def in_line(self, on_cuda: bool) -> bool:
         """Whether :func:`sparse_allreduce_hook` prunes and reduces a bucket on the calling
@@ -422,6 +325,7 @@ def sparse_allreduce_hook(state: SparseHookState, bucket: dist.GradBucket) -> to
     if bucket.is_last():
         state.iteration += 1
     if dense:
+        state.reducer.count_dense()
         future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
         return future.then(lambda fut: fut.value()[0].div_(world))
     index = bucket.index()
@@ -467,7 +371,7 @@ def _reduce_on_side_stream(
 class DenseHookState:
     """State of :func:`dense_allreduce_hook`: DDP's own dense all-reduce, timed like the sparse hook.
 
-    It is the baseline of a dense-vs-SpCCL comparison: the same statistics (:class:`HookSummary`,
+    It is the baseline of a dense-vs-SpCCL comparison: the same statistics (:class:`ReductionSummary`,
     with ``bytes_sent`` those of a dense ring) from the same timers.
     """
 
@@ -485,17 +389,19 @@ class DenseHookState:
         self._dense_bytes = 0
         self._spans: list[Span] = []
 
-    def summary(self) -> HookSummary:
+    def summary(self) -> ReductionSummary:
         """Totals so far. Reads device timers: call it off the hot path."""
-        return HookSummary(
-            iterations=self.iteration,
-            sparse_calls=0,
+        return ReductionSummary(
+            dense_reductions=self._calls,
+            sparse_reductions=0,
             elements=self._elements,
             kept=self._elements,
             bytes_sent=self._dense_bytes,
             dense_bytes=self._dense_bytes,
             prune_seconds=0.0,
-            allreduce_seconds=sum(span.seconds() for span in self._spans),
+            reduce_seconds=sum(span.seconds() for span in self._spans),
+            deferred=0,
+            exchanges=0,
         )
 
     def __getstate__(self) -> dict:

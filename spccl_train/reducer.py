@@ -18,10 +18,12 @@ The DDP comm hook (:mod:`spccl_train.ddp`) and the Megatron integration
    (no host synchronisation);
 3. calls the sparse all-reduce (or reduce-scatter into a shard), its CUDA graph tagged by engine,
    reducer and bucket;
-4. adds what the call did to its totals (:class:`Totals`): the engines' summaries are views of them.
+4. adds what the call did to its totals: :meth:`BucketReducer.summary` is every engine's summary
+   (:class:`ReductionSummary`; the engines count their dense warm-up reductions in it too).
 
 What differs between engines stays with them: when a bucket is dense (warm-up), averaging, and
-where the call runs (the DDP hook's side streams and planning group are arguments here).
+where the call runs (the DDP hook's side streams and planning group are arguments here). What
+both take is one :class:`~spccl_train.sparse_config.SparseConfig`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import torch.distributed as dist
 from ._timing import Span
 from .collectives import (
     ChunkLayout,
-    CollectiveConfig,
     CollectiveStats,
     CollectiveWork,
     EncodedPieces,
@@ -45,8 +46,9 @@ from .collectives import (
 )
 from .formats import Format
 from .pruning import Pruner, PruneResult, piece_caps
+from .sparse_config import SparseConfig
 
-__all__ = ["BucketState", "BucketReducer", "Totals"]
+__all__ = ["BucketState", "BucketReducer", "ReductionSummary"]
 
 _scopes = itertools.count()
 """Numbers the reducers, to tag their buckets' CUDA graphs apart."""
@@ -77,11 +79,14 @@ class BucketState:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Totals:
-    """What a reducer's sparse reductions did, since it was made or reset."""
+class ReductionSummary:
+    """What an engine's gradient reductions did since its state was made (or its stats reset):
+    the DDP hooks' and the Megatron integration's ``summary()``."""
 
-    reductions: int
-    """Sparse reductions (all-reduces and reduce-scatters)."""
+    dense_reductions: int
+    """Bucket reductions done by the dense collective (the warm-up; every one for the dense hook)."""
+    sparse_reductions: int
+    """Bucket reductions done by SpCCL (all-reduces and reduce-scatters)."""
     elements: int
     """Gradient elements that went through SpCCL."""
     kept: int
@@ -98,25 +103,35 @@ class Totals:
     """Elements pruning kept that the capacity bound left in the error buffers for later."""
     exchanges: int
     """Planning exchanges (host synchronisations)."""
-    decode_failures: int
-    """Reductions whose decoders reported a bad payload (0 unless something is wrong)."""
+    decode_failures: int = 0
+    """Reductions whose decoders reported a bad payload (0 unless something is wrong; with
+    ``capacity_factor`` the bounds hold by construction, so anything else is a bug to report)."""
+
+    @property
+    def density(self) -> float:
+        """Achieved density: kept / elements."""
+        return self.kept / self.elements if self.elements else 0.0
+
+    @property
+    def bytes_ratio(self) -> float:
+        """Bytes sent over dense bytes (below 1 saves traffic)."""
+        return self.bytes_sent / self.dense_bytes if self.dense_bytes else 0.0
 
 
 class BucketReducer:
     """Prunes and reduces buckets, and keeps their totals (see the module docstring).
 
     Args:
-        pruner: the pruner (its config: density, warm-up, sampling, error feedback).
-        prune: ``False`` reduces the buckets as they are (an exact sparse reduction).
-        config: the collective's config.
-        capacity_factor: ``None``, or the per-piece cap factor ``f >= 1`` (needs ``prune``).
+        settings: the :class:`~spccl_train.sparse_config.SparseConfig` (pruning, collective,
+            ``capacity_factor``, ``prune_to_wire``; ``dense_iterations`` is the engine's business).
         engine: names the engine in the buckets' CUDA graph tags (``"ddp"``, ``"megatron"``).
-        prune_to_wire: prune into the all-reduce's payloads where it can send them as they are
-            (see the module docstring); ``False`` prunes in place, then the all-reduce encodes
-            (no payload buffer per bucket: for tight memory).
+
+    Its attributes ``pruner``, ``prune``, ``config`` (the collective's), ``capacity_factor`` and
+    ``prune_to_wire`` are those of ``settings``.
     """
 
     __slots__ = (
+        "settings",
         "pruner",
         "prune",
         "config",
@@ -125,6 +140,7 @@ class BucketReducer:
         "prune_to_wire",
         "scope",
         "_reductions",
+        "_dense_reductions",
         "_elements",
         "_kept",
         "_deferred",
@@ -138,21 +154,14 @@ class BucketReducer:
         "_stats",
     )
 
-    def __init__(
-        self,
-        pruner: Pruner,
-        prune: bool,
-        config: CollectiveConfig,
-        capacity_factor: float | None,
-        engine: str,
-        prune_to_wire: bool = True,
-    ) -> None:
-        self.pruner = pruner
-        self.prune = prune
-        self.config = config
-        self.capacity_factor = capacity_factor
+    def __init__(self, settings: SparseConfig, engine: str) -> None:
+        self.settings = settings
+        self.pruner = Pruner(settings.pruning)
+        self.prune = settings.prune
+        self.config = settings.collective
+        self.capacity_factor = settings.capacity_factor
+        self.prune_to_wire = settings.prune_to_wire
         self.engine = engine
-        self.prune_to_wire = prune_to_wire
         self.scope = next(_scopes)  # equal on every rank that makes its reducers in one order
         self.reset_stats()
 
@@ -167,7 +176,8 @@ class BucketReducer:
 
     def reset_stats(self) -> None:
         """Zero the totals (not the buckets' error buffers)."""
-        self._reductions = self._elements = self._exchanges = self._bytes_sent = self._dense_bytes = 0
+        self._reductions = self._dense_reductions = self._elements = self._exchanges = 0
+        self._bytes_sent = self._dense_bytes = 0
         self._kept: torch.Tensor | int = 0
         self._deferred: torch.Tensor | int = 0
         self._prune_seconds = self._reduce_seconds = 0.0
@@ -175,11 +185,16 @@ class BucketReducer:
         self._prune_spans: list[Span] = []
         self._stats: list[CollectiveStats] = []
 
-    def totals(self) -> Totals:
+    def count_dense(self) -> None:
+        """Count a bucket reduction the engine did with the dense collective (its warm-up)."""
+        self._dense_reductions += 1
+
+    def summary(self) -> ReductionSummary:
         """The totals so far. Reads device timers and counters: call it off the hot path."""
         self._fold(keep=0)
-        return Totals(
-            reductions=self._reductions,
+        return ReductionSummary(
+            dense_reductions=self._dense_reductions,
+            sparse_reductions=self._reductions,
             elements=self._elements,
             kept=int(self._kept),
             bytes_sent=self._bytes_sent,

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from spccl_train import reducer as reducer_module
-from spccl_train.ddp import HookSummary, SparseHookState, sparse_allreduce_hook
+from spccl_train.ddp import ReductionSummary, SparseHookState, sparse_allreduce_hook
 from spccl_train.pruning import piece_caps
 
 SEED = int(os.environ.get("SPCCL_TEST_SEED", random.SystemRandom().randrange(2**31)))
@@ -71,7 +71,7 @@ def _bucket_before_hook(state: SparseHookState, bucket: dist.GradBucket):
 def _job_matches_default_ddp(rank: int, world: int, steps: int, overlap: bool | str | None = None) -> int:
     reference = DDP(_model(SEED), bucket_cap_mb=0.03)
     hooked = DDP(_model(SEED), bucket_cap_mb=0.03)
-    state = SparseHookState(prune=False, format="pici", overlap=overlap)
+    state = SparseHookState(overlap=overlap, config={"prune": False, "collective": {"format": "pici"}})
     hooked.register_comm_hook(state, sparse_allreduce_hook)
     for step in range(steps):
         x, y = _batch(rank, step)
@@ -81,8 +81,8 @@ def _job_matches_default_ddp(rank: int, world: int, steps: int, overlap: bool | 
         for a, b in zip(reference.parameters(), hooked.parameters(), strict=True):
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
     summary = state.summary()
-    assert summary.sparse_calls > 0 and summary.kept == summary.elements
-    return summary.sparse_calls
+    assert summary.sparse_reductions > 0 and summary.kept == summary.elements
+    return summary.sparse_reductions
 
 
 def _job_error_feedback(
@@ -94,12 +94,11 @@ def _job_error_feedback(
     """
     model = DDP(_model(SEED), bucket_cap_mb=0.03)
     state = SparseHookState(
-        density=0.05,
-        sample_fraction=0.2,
-        decay=decay,
-        format="pici",
-        warmup_steps=warmup_steps,
-        dense_iterations=dense_iterations,
+        config={
+            "pruning": {"density": 0.05, "sample_fraction": 0.2, "decay": decay, "warmup_steps": warmup_steps},
+            "dense_iterations": dense_iterations,
+            "collective": {"format": "pici"},
+        }
     )
     sizes: list[int] = []
     counts: dict[int, list[int]] = {}  # iteration -> [kept, elements]
@@ -147,7 +146,12 @@ def _train(rank: int, mode: str, steps: int) -> float:
     model = DDP(nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 1)))
     if mode != "dense":
         decay = 1.0 if mode == "error_feedback" else 0.0
-        state = SparseHookState(density=0.01, sample_fraction=0.05, decay=decay, format="pici", seed=rank)
+        state = SparseHookState(
+            config={
+                "pruning": {"density": 0.01, "sample_fraction": 0.05, "decay": decay, "seed": rank},
+                "collective": {"format": "pici"},
+            }
+        )
         model.register_comm_hook(state, sparse_allreduce_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(77 + rank)
@@ -171,7 +175,12 @@ def _job_capacity(rank: int, world: int, steps: int, factor: float, overlap: boo
     decay = 0.7
     model = DDP(_model(SEED), bucket_cap_mb=0.03)
     state = SparseHookState(
-        density=0.05, sample_fraction=0.2, decay=decay, format="auto", capacity_factor=factor, overlap=overlap
+        overlap=overlap,
+        config={
+            "pruning": {"density": 0.05, "sample_fraction": 0.2, "decay": decay},
+            "capacity_factor": factor,
+            "collective": {"format": "auto"},
+        },
     )
     exchanges: dict[int, int] = {}  # iteration -> planning exchanges made by its all-reduces
 
@@ -278,20 +287,20 @@ def test_capacity_factor_reduces_without_exchanges(pools, world, factor, overlap
 
 def test_state_validates_and_pickles_without_its_group():
     with pytest.raises(ValueError, match="dense_iterations"):
-        SparseHookState(dense_iterations=0)
+        SparseHookState(config={"dense_iterations": 0})
     with pytest.raises(ValueError, match="density"):
-        SparseHookState(density=2.0)
+        SparseHookState(config={"pruning": {"density": 2.0}})
     with pytest.raises(ValueError, match="warmup_steps=-1"):
-        SparseHookState(warmup_steps=-1)
+        SparseHookState(config={"pruning": {"warmup_steps": -1}})
     with pytest.raises(ValueError, match="capacity_factor=0.5"):
-        SparseHookState(capacity_factor=0.5)
+        SparseHookState(config={"capacity_factor": 0.5})
     with pytest.raises(ValueError, match="capacity_factor needs prune=True"):
-        SparseHookState(capacity_factor=2.0, prune=False)
-    state = SparseHookState(process_group=object(), density=0.02, warmup_steps=5)
+        SparseHookState(config={"capacity_factor": 2.0, "prune": False})
+    state = SparseHookState(process_group=object(), config={"pruning": {"density": 0.02, "warmup_steps": 5}})
     copy = pickle.loads(pickle.dumps(state))
     assert copy.process_group is None and copy.pruner.config.density == 0.02
     assert copy.pruner.config.warmup_steps == 5
-    assert isinstance(copy.summary(), HookSummary)
+    assert isinstance(copy.summary(), ReductionSummary)
     assert copy.reducer.scope != state.reducer.scope  # a copy tags its CUDA graphs apart from the original's
 
 
@@ -304,7 +313,7 @@ dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, wor
 import spccl_train.ddp
 group = weakref.ref(dist.group.WORLD)
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
-state = spccl_train.ddp.SparseHookState(density=0.1, overlap=True)  # the background reducer
+state = spccl_train.ddp.SparseHookState(overlap=True, config={"pruning": {"density": 0.1}})  # the background reducer
 model.register_comm_hook(state, spccl_train.ddp.sparse_allreduce_hook)
 for _ in range(3):  # a dense first iteration, then sparse ones on the reducer thread
     model(torch.randn(2, 64)).sum().backward()
@@ -346,7 +355,9 @@ def test_destroy_frees_the_group_when_the_hook_module_came_first(tmp_path):
 
 def test_the_backward_pass_waits_for_pruning_in_line_and_when_a_side_stream_plans_from_counts():
     def waits(overlap, capacity_factor, on_cuda):
-        state = SparseHookState(density=0.01, overlap=overlap, capacity_factor=capacity_factor)
+        state = SparseHookState(
+            overlap=overlap, config={"pruning": {"density": 0.01}, "capacity_factor": capacity_factor}
+        )
         return state.waits_for_pruning(on_cuda)
 
     assert waits(False, None, True) and waits(False, 4.0, False)  # in line
@@ -368,7 +379,7 @@ def test_reducer_folds_old_timers_into_its_totals_without_losing_any(monkeypatch
     # past PENDING_TIMERS pending calls the older half is folded into the totals (in the hot path,
     # without a synchronisation); the totals read then must equal those of keeping everything
     monkeypatch.setattr(reducer_module, "PENDING_TIMERS", 4)
-    state = SparseHookState(density=0.5)
+    state = SparseHookState(config={"pruning": {"density": 0.5}})
     red = state.reducer
     calls = [_FinishedCall(0.5 * (i + 1), failed) for i, failed in enumerate([False, True, None, True, False, False])]
     for call in calls:
@@ -376,9 +387,27 @@ def test_reducer_folds_old_timers_into_its_totals_without_losing_any(monkeypatch
         if len(red._stats) > reducer_module.PENDING_TIMERS:
             red._fold(keep=reducer_module.PENDING_TIMERS // 2)
     assert len(red._stats) < len(calls)  # some were folded
-    totals = red.totals()
+    totals = red.summary()
     assert totals.reduce_seconds == pytest.approx(sum(c.elapsed_s for c in calls))
     assert totals.decode_failures == 2 == state.decode_failures()
-    assert state.summary().allreduce_seconds == pytest.approx(totals.reduce_seconds)
+    assert state.summary().reduce_seconds == pytest.approx(totals.reduce_seconds)
     state.reset_stats()
-    assert state.reducer.totals().decode_failures == 0 and state.summary().allreduce_seconds == 0.0
+    assert state.reducer.summary().decode_failures == 0 and state.summary().reduce_seconds == 0.0
+
+
+def test_one_config_serves_both_engines():
+    """``SparseConfig``: nested sections from mappings, clear errors, the engines' dense warm-up."""
+    import spccl_train
+    import spccl_train.megatron as spccl_megatron
+
+    config = spccl_train.SparseConfig(pruning={"density": 0.02}, collective={"format": "coo"}, capacity_factor=2)
+    assert config.pruning.density == 0.02 and config.collective.format == "coo" and config.capacity_factor == 2.0
+    assert spccl_megatron.SpcclMegatronConfig is spccl_train.SparseConfig
+    assert SparseHookState(config=config).dense_iterations == 1  # None: DDP's least
+    assert spccl_megatron.SpcclMegatronState(config).dense_iterations == 0  # None: Megatron's
+    with pytest.raises(TypeError, match="prune_to_wire='yes' must be True or False"):
+        spccl_train.SparseConfig(prune_to_wire="yes")
+    with pytest.raises(TypeError, match="config must be a SparseConfig, a mapping of its fields or None"):
+        SparseHookState(config=0.01)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'density'"):
+        SparseHookState(density=0.01)  # the flat keywords are gone: config=SparseConfig(pruning={...})

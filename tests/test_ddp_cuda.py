@@ -42,7 +42,8 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
             reference = DDP(_model(device), device_ids=[device.index], bucket_cap_mb=0.5)
             hooked = DDP(_model(device), device_ids=[device.index], bucket_cap_mb=0.5)
             hooked.register_comm_hook(
-                SparseHookState(prune=False, format="pici", overlap=overlap), sparse_allreduce_hook
+                SparseHookState(overlap=overlap, config={"prune": False, "collective": {"format": "pici"}}),
+                sparse_allreduce_hook,
             )
             for _ in range(3):
                 x = torch.randn(32, 64, device=device, generator=g)
@@ -55,7 +56,12 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
         # (Pici ring forced: with buckets this small, "auto" rightly picks dense).
         for dtype in (torch.float32, torch.bfloat16):
             model = DDP(_model(device).to(dtype), device_ids=[device.index], bucket_cap_mb=0.5)
-            state = SparseHookState(density=0.01, sample_fraction=0.05, format="pici", algorithm="ring")
+            state = SparseHookState(
+                config={
+                    "pruning": {"density": 0.01, "sample_fraction": 0.05},
+                    "collective": {"format": "pici", "algorithm": "ring"},
+                }
+            )
             model.register_comm_hook(state, sparse_allreduce_hook)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
             for _ in range(20):
@@ -75,7 +81,12 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 model = DDP(_model(device), device_ids=[device.index], bucket_cap_mb=0.5)
                 cfg = CollectiveConfig(format="pici", algorithm="direct", cuda_graphs=graphs)
                 state = SparseHookState(
-                    density=0.01, sample_fraction=0.05, collective_config=cfg, overlap=overlap, prune_to_wire=wire
+                    overlap=overlap,
+                    config={
+                        "pruning": {"density": 0.01, "sample_fraction": 0.05},
+                        "collective": cfg,
+                        "prune_to_wire": wire,
+                    },
                 )
                 model.register_comm_hook(state, sparse_allreduce_hook)
                 models.append(model)
@@ -98,7 +109,12 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
         for overlap in (False, "stream", True):
             model = DDP(_model(device), device_ids=[device.index], bucket_cap_mb=0.5)
             state = SparseHookState(
-                density=0.01, sample_fraction=0.05, format="pici", capacity_factor=2.0, overlap=overlap
+                overlap=overlap,
+                config={
+                    "pruning": {"density": 0.01, "sample_fraction": 0.05},
+                    "capacity_factor": 2.0,
+                    "collective": {"format": "pici"},
+                },
             )
             model.register_comm_hook(state, sparse_allreduce_hook)
             for _ in range(10):
@@ -106,7 +122,7 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 model(torch.randn(32, 64, device=device, generator=g)).square().mean().backward()
             torch.cuda.synchronize()
             summary = state.summary()
-            buckets = summary.sparse_calls // 9
+            buckets = summary.sparse_reductions // 9
             if summary.exchanges != buckets or state.decode_failures() or not 0.005 < summary.density < 0.02:
                 failures.append(f"capacity_factor, overlap={overlap}: {summary}, {state.decode_failures()} failures")
     except Exception:  # noqa: BLE001 (report to the test)

@@ -322,10 +322,10 @@ def test_pretrain_passes_the_density_warm_up_and_the_bounds(monkeypatch):
         "spccl.capacity_factor=3",
         "spccl.cuda_graphs=true",
     ]
-    config = pretrain._spccl_config(load_config("tiny_cpu", overrides), local_world=2)
+    config = pretrain.sparse_config(load_config("tiny_cpu", overrides), local_world=2)
     assert config.pruning.warmup_steps == 4 and config.dense_iterations == 2
     assert config.capacity_factor == 3.0 and config.collective.cuda_graphs
-    assert pretrain._spccl_config(load_config("tiny_cpu"), local_world=2).capacity_factor is None
+    assert pretrain.sparse_config(load_config("tiny_cpu"), local_world=2).capacity_factor is None
 
 
 @pytest.mark.parametrize("version", ["0.16.1", "0.17.0", "0.19.2", "0.19.0rc1"])

@@ -22,14 +22,20 @@ and ``reduce_scatter_with_fp32_accumulation`` (the last two raise a ``ValueError
 what to set). Parameter all-gathers of the distributed optimizer stay dense.
 """
 
-from .config import SpcclMegatronConfig
+from ..reducer import ReductionSummary
+from ..sparse_config import SparseConfig
 from .patch import SUPPORTED_VERSIONS, active_state, check_version, disable, enable, is_enabled
-from .state import BucketState, MegatronSummary, SpcclMegatronState
+from .state import BucketState, SpcclMegatronState
+
+SpcclMegatronConfig = SparseConfig
+"""This integration's earlier name of :class:`~spccl_train.sparse_config.SparseConfig`, the one
+config every engine takes (the same class; its ``dense_iterations`` ``None`` is 0 here)."""
 
 __all__ = [
+    "SparseConfig",
     "SUPPORTED_VERSIONS",
     "BucketState",
-    "MegatronSummary",
+    "ReductionSummary",
     "SpcclMegatronConfig",
     "SpcclMegatronState",
     "active_state",

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .config import SpcclMegatronConfig
+from ..sparse_config import SparseConfig
 from .state import SpcclMegatronState
 
 __all__ = ["SUPPORTED_VERSIONS", "active_state", "check_version", "disable", "enable", "is_enabled"]
@@ -51,7 +51,7 @@ _lock = threading.Lock()
 _active: SpcclMegatronState | None = None
 
 
-def enable(config: SpcclMegatronConfig | None = None, **fields) -> SpcclMegatronState:
+def enable(config: SparseConfig | None = None, **fields) -> SpcclMegatronState:
     """Send Megatron-core's data-parallel gradient reductions through SpCCL; return the state.
 
     Call it before building the model, on every rank, with an equal config. Idempotent: the
@@ -60,7 +60,8 @@ def enable(config: SpcclMegatronConfig | None = None, **fields) -> SpcclMegatron
     (fresh error buffers and statistics).
 
     Args:
-        config: a :class:`SpcclMegatronConfig`; or leave it out and pass its fields as keywords.
+        config: a :class:`~spccl_train.sparse_config.SparseConfig`; or leave it out and pass its
+            fields as keywords.
 
     Returns:
         The active :class:`SpcclMegatronState` (error buffers, ``summary()``).
@@ -78,9 +79,9 @@ def enable(config: SpcclMegatronConfig | None = None, **fields) -> SpcclMegatron
     """
     global _active
     if config is not None and fields:
-        raise TypeError("pass either a SpcclMegatronConfig or its fields as keywords, not both")
+        raise TypeError("pass either a SparseConfig or its fields as keywords, not both")
     if config is None and fields:
-        config = SpcclMegatronConfig(**fields)
+        config = SparseConfig(**fields)
     group_class = _bucket_group_class()
     with _lock:
         current = group_class.__dict__["start_grad_sync"]

@@ -75,12 +75,11 @@ from ..train.trainer import (
     _sync,
     announce_links,
     apply_emulation,
-    capacity_factor,
-    collective_config,
     finish_run,
     local_rendezvous,
     make_optimizer,
     one_rank_environment,
+    sparse_config,
 )
 
 __all__ = ["launch", "main", "run_worker"]
@@ -460,27 +459,6 @@ class _DenseReductions:
 # ----------------------------------------------------------------------------- the loop
 
 
-def _spccl_config(cfg: ExperimentConfig, local_world: int):
-    from . import SpcclMegatronConfig
-
-    s = cfg.spccl
-    return SpcclMegatronConfig(
-        prune=s.prune,
-        pruning={
-            "density": s.density,
-            "sample_fraction": s.sample_fraction,
-            "decay": s.decay,
-            "error_dtype": s.error_dtype,
-            "seed": cfg.train.seed,
-            "warmup_steps": s.warmup_steps,
-        },
-        collective=collective_config(cfg, local_world),
-        dense_iterations=s.dense_iterations,
-        capacity_factor=capacity_factor(cfg, local_world),
-        prune_to_wire=s.prune_to_wire,
-    )
-
-
 def _train(cfg, config_name, rank, world, local_world, device, distopt) -> pathlib.Path | None:
     megatron_core = _import_megatron()
     from megatron.core import parallel_state, tensor_parallel
@@ -506,7 +484,7 @@ def _train(cfg, config_name, rank, world, local_world, device, distopt) -> pathl
         else:  # no CUDA generator to fork: dropout draws from the CPU generator
             tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         if cfg.spccl.enabled:  # before the model is wrapped
-            state = enable(_spccl_config(cfg, local_world))
+            state = enable(sparse_config(cfg, local_world))
             state.reset_stats()
         precision = _precision(cfg, device)
         bf16 = precision == "bf16"

@@ -204,7 +204,7 @@ class SpcclConfig:
     bucket). ``f >= 1``: after a bucket's first sparse iteration, each piece of it keeps at most
     ``f`` times its share of ``density`` (the excess waits in the error buffer) and the all-reduce
     is planned from those bounds, with no host synchronisation (both engines; see
-    ``spccl_train.ddp.SparseHookState`` and ``spccl_train.megatron.SpcclMegatronConfig``)."""
+    ``spccl_train.SparseConfig``)."""
     exact_across_nodes: bool = True
     """With ``capacity_factor``: where the group spans nodes (``dist.ranks_per_node`` or emulated
     nodes), plan every all-reduce from exchanged counts instead, so that exactly the nonzeros go

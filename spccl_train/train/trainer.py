@@ -34,6 +34,8 @@ from .._provenance import git_commit
 from ..collectives import CollectiveConfig, clearing_graphs, measure_links
 from ..emulation import check_launch, emulate_nodes
 from ..optim import BurstAdamW
+from ..pruning import PruneConfig
+from ..sparse_config import SparseConfig
 from .config import ExperimentConfig, from_dict, to_dict
 from .data import prepare_tokens
 from .model import build_model, count_parameters
@@ -328,6 +330,28 @@ def collective_config(cfg: ExperimentConfig, local_world: int) -> CollectiveConf
     )
 
 
+def sparse_config(cfg: ExperimentConfig, local_world: int) -> SparseConfig:
+    """The :class:`~spccl_train.sparse_config.SparseConfig` both engines reduce with, from the
+    ``spccl`` section (its pruning keys, :func:`collective_config`, :func:`capacity_factor`; the
+    sampling seed is ``train.seed``). Needs the process group."""
+    s = cfg.spccl
+    return SparseConfig(
+        prune=s.prune,
+        pruning=PruneConfig(
+            density=s.density,
+            sample_fraction=s.sample_fraction,
+            decay=s.decay,
+            error_dtype=s.error_dtype,
+            seed=cfg.train.seed,
+            warmup_steps=s.warmup_steps,
+        ),
+        collective=collective_config(cfg, local_world),
+        capacity_factor=capacity_factor(cfg, local_world),
+        prune_to_wire=s.prune_to_wire,
+        dense_iterations=s.dense_iterations,
+    )
+
+
 def _hook(
     cfg: ExperimentConfig, model: torch.nn.parallel.DistributedDataParallel, local_world: int, timeline: Timeline
 ) -> tuple[spccl_ddp.DenseHookState | spccl_ddp.SparseHookState, TimedHook, bool]:
@@ -344,18 +368,8 @@ def _hook(
         model.register_comm_hook(timed, timed_hook)
         return state, timed, False
     state = spccl_ddp.SparseHookState(
-        density=s.density,
-        sample_fraction=s.sample_fraction,
-        decay=s.decay,
-        error_dtype=s.error_dtype,
-        prune=s.prune,
-        collective_config=collective_config(cfg, local_world),
-        dense_iterations=s.dense_iterations,
-        warmup_steps=s.warmup_steps,
-        seed=cfg.train.seed,
+        config=sparse_config(cfg, local_world),
         overlap={"auto": None, "on": True, "off": False, "stream": "stream"}[s.overlap],
-        capacity_factor=capacity_factor(cfg, local_world),
-        prune_to_wire=s.prune_to_wire,
     )
     timed = TimedHook(state, spccl_ddp.sparse_allreduce_hook, timeline)
     model.register_comm_hook(timed, timed_hook)
@@ -472,7 +486,7 @@ def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pa
             elapsed,
             loss,
             lr,
-            allreduce_s=hook.allreduce_seconds,
+            allreduce_s=hook.reduce_seconds,
             prune_s=hook.prune_seconds,
             density=hook.density if hook.elements else 1.0,
             bytes_sent=hook.bytes_sent,
