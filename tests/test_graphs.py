@@ -140,7 +140,7 @@ def test_a_failed_capture_raises_and_frees_its_pool(fake_cuda):
     x, runs = torch.zeros(8), []
     _call(_key(x), x, x, runs)
     _FakeGraph.fail_capture = True
-    with pytest.raises(RuntimeError, match="could not capture this all_reduce .* spccl.cuda_graphs=false"):
+    with pytest.raises(RuntimeError, match="could not capture this all_reduce .* spccl.collective.cuda_graphs=false"):
         _call(_key(x), x, x, runs)
     assert fake_cuda["released"] == ["_cuda_endAllocateToPool", "_cuda_releasePool"]
     assert graphs.cached_graphs() == 0

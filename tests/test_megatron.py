@@ -317,10 +317,10 @@ def test_pretrain_passes_the_density_warm_up_and_the_bounds(monkeypatch):
 
     monkeypatch.setattr(pretrain.dist, "get_world_size", lambda group=None: 2)
     overrides = [
-        "spccl.warmup_steps=4",
+        "spccl.pruning.warmup_steps=4",
         "spccl.dense_iterations=2",
         "spccl.capacity_factor=3",
-        "spccl.cuda_graphs=true",
+        "spccl.collective.cuda_graphs=true",
     ]
     config = pretrain.sparse_config(load_config("tiny_cpu", overrides), local_world=2)
     assert config.pruning.warmup_steps == 4 and config.dense_iterations == 2

@@ -48,7 +48,7 @@ def _overrides(tmp_path: pathlib.Path, name: str) -> list[str]:
         # The Megatron engine steps with Megatron's Adam (the default's BurstAdamW is the DDP
         # engine's), and these few iterations leave no room for the default's density warm-up.
         "optim.name=adamw",
-        "spccl.warmup_steps=0",
+        "spccl.pruning.warmup_steps=0",
         "dist.nproc_per_node=2",
         f"output.dir={tmp_path / 'runs'}",
         f"output.name={name}",
@@ -81,10 +81,10 @@ RUNS = {
     "dense": (False, False, False, ["spccl.enabled=false"]),
     # Pruning off: SpCCL sums exactly what Megatron's all-reduce sums, and with 2 ranks a + b
     # rounds the same in any order.
-    "exact": (False, False, False, ["spccl.prune=false", "spccl.format=pici"]),
+    "exact": (False, False, False, ["spccl.prune=false", "spccl.collective.format=pici"]),
     "megatron-adam": (True, False, False, ["spccl.enabled=false"]),
     "distopt": (True, False, True, ["spccl.enabled=false"]),
-    "bf16-distopt-spccl": (True, True, True, ["spccl.format=coo", "spccl.sample_fraction=0.05"]),
+    "bf16-distopt-spccl": (True, True, True, ["spccl.collective.format=coo", "spccl.pruning.sample_fraction=0.05"]),
 }
 
 
@@ -159,7 +159,12 @@ def test_megatron_optimizer_equals_the_cpu_stand_in_and_runs_bf16_distributed(ru
 def test_command_line_spawns_ranks_and_writes_the_run(tmp_path):
     """``python -m spccl_train.megatron.pretrain`` end to end: spawned gloo ranks, SpCCL with pruning."""
     argv = ["--config", "tiny_cpu", "--use-spccl", *_overrides(tmp_path, "pruned"), "output.plot=true"]
-    assert pretrain.main([*argv, "spccl.format=coo", "spccl.density=0.05", "spccl.sample_fraction=0.05"]) == 0
+    assert (
+        pretrain.main(
+            [*argv, "spccl.collective.format=coo", "spccl.pruning.density=0.05", "spccl.pruning.sample_fraction=0.05"]
+        )
+        == 0
+    )
     run_dir = tmp_path / "runs" / "pruned"
     rows, summary = _rows(run_dir), _summary(run_dir)
     assert (summary["engine"], summary["mode"], summary["world_size"]) == ("megatron", "spccl", 2)

@@ -49,7 +49,7 @@ def test_default_is_tiny_cpu_with_spccl_on_two_gloo_ranks():
     cfg = C.load_config(None)
     assert (cfg.dist.nproc_per_node, cfg.dist.backend, cfg.train.device, cfg.spccl.enabled) == (2, "gloo", "cpu", True)
     # the recommended recipe (README): BurstAdamW, leak-free error feedback, a density warm-up
-    assert (cfg.optim.name, cfg.spccl.decay) == ("burst_adamw", 1.0) and cfg.spccl.warmup_steps > 0
+    assert (cfg.optim.name, cfg.spccl.pruning.decay) == ("burst_adamw", 1.0) and cfg.spccl.pruning.warmup_steps > 0
 
 
 def test_megatron_engine_says_the_default_optimizer_is_not_its_own(capsys):
@@ -66,14 +66,21 @@ def test_megatron_engine_says_the_default_optimizer_is_not_its_own(capsys):
         ("model: {layers: 3}\n", "unknown key 'model.layers' in model: known keys are arch, n_layer"),
         ("train: {iterations: ten}\n", "train.iterations='ten': expected an integer"),
         ("train: {iterations: 0}\n", "train.iterations=0: must be >= 1"),
-        ("spccl: {format: zip}\n", "spccl.format='zip': expected one of auto, pici, coo, dense"),
-        ("spccl: {density: 0}\n", "spccl.density=0.0: must be > 0.0"),
+        (
+            "spccl: {collective: {format: zip}}\n",
+            "spccl.collective.format='zip': expected one of auto, pici, coo, dense",
+        ),
+        ("spccl: {pruning: {density: 0}}\n", "spccl.pruning.density=0.0: must be > 0.0"),
         ("spccl: {prune: 1}\n", "spccl.prune=1: expected true or false"),
-        ("spccl: {warmup_steps: -1}\n", "spccl.warmup_steps=-1: must be >= 0"),
-        ("spccl: {warmup_steps: 2.5}\n", "spccl.warmup_steps=2.5: expected an integer"),
+        ("spccl: {density: 0.01}\n", "unknown key 'spccl.density' in spccl: known keys are enabled, prune, pruning"),
+        ("spccl: {pruning: {warmup_steps: -1}}\n", "spccl.pruning.warmup_steps=-1: must be >= 0"),
+        ("spccl: {pruning: {warmup_steps: 2.5}}\n", "spccl.pruning.warmup_steps=2.5: expected an integer"),
         ("spccl: {capacity_factor: 0.5}\n", "spccl.capacity_factor=0.5: use 0 (plan from exchanged counts)"),
         ("spccl: {capacity_factor: 2, prune: false}\n", "spccl.capacity_factor needs spccl.prune=true"),
-        ("spccl: {cuda_graphs: true}\n", "spccl.cuda_graphs=true needs spccl.capacity_factor >= 1"),
+        (
+            "spccl: {collective: {cuda_graphs: true}}\n",
+            "spccl.collective.cuda_graphs=true needs spccl.capacity_factor >= 1",
+        ),
         ("model: 3\n", "model: expected a mapping"),
         ("data: {seq_len: 4096}\n", "data.seq_len=4096 exceeds model.max_position=1024"),
         ("train: {iterations: 10, warmup_iterations: 10}\n", "train.warmup_iterations=10 leaves no iteration"),
@@ -106,7 +113,7 @@ def test_overrides_parse_yaml_values_and_reject_unknown_keys():
 
 
 def test_config_round_trips_through_plain_data():
-    cfg = C.load_config("gpt2_xl_spccl", ["spccl.decay=0.5"])
+    cfg = C.load_config("gpt2_xl_spccl", ["spccl.pruning.decay=0.5"])
     assert C.from_dict(C.to_dict(cfg)) == cfg
 
 
@@ -207,7 +214,7 @@ def _tiny(tmp_path: pathlib.Path, name: str, *extra: str) -> C.ExperimentConfig:
             f"output.name={name}",
             "output.progress=false",
             # Six iterations: no room for the default's density warm-up, prune to 1% at once.
-            "spccl.warmup_steps=0",
+            "spccl.pruning.warmup_steps=0",
             *extra,
         ],
     )
@@ -221,8 +228,10 @@ def _losses(run_dir: pathlib.Path) -> list[float]:
 
 def test_training_two_gloo_ranks_dense_and_spccl(tmp_path):
     dense = launch(_tiny(tmp_path, "dense", "spccl.enabled=false", "output.plot=false"), "tiny_cpu")
-    exact = launch(_tiny(tmp_path, "exact", "spccl.prune=false", "spccl.format=pici", "output.plot=false"), "tiny_cpu")
-    pruned = launch(_tiny(tmp_path, "pruned", "spccl.format=coo"), "tiny_cpu")
+    exact = launch(
+        _tiny(tmp_path, "exact", "spccl.prune=false", "spccl.collective.format=pici", "output.plot=false"), "tiny_cpu"
+    )
+    pruned = launch(_tiny(tmp_path, "pruned", "spccl.collective.format=coo"), "tiny_cpu")
     # Pruning off: the sparse all-reduce is exact, and with two ranks a + b rounds the same in
     # any order, so the losses equal dense DDP's bit for bit.
     assert _losses(exact) == _losses(dense)
@@ -301,15 +310,15 @@ def test_world_size_one_runs_in_process(tmp_path, monkeypatch):
 
 
 def test_density_warm_up_reaches_the_hook(tmp_path, monkeypatch):
-    """spccl.warmup_steps=3 after one dense iteration: density ramps 1, ~0.32, ~0.1, ~0.03, then 0.01."""
+    """spccl.pruning.warmup_steps=3 after one dense iteration: density ramps 1, ~0.32, ~0.1, ~0.03, then 0.01."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
     cfg = _tiny(
         tmp_path,
         "warm",
         "dist.nproc_per_node=1",
-        "spccl.warmup_steps=3",
-        "spccl.sample_fraction=0.2",
+        "spccl.pruning.warmup_steps=3",
+        "spccl.pruning.sample_fraction=0.2",
         "train.iterations=6",
         "train.warmup_iterations=4",
         "output.plot=false",
@@ -324,7 +333,7 @@ def test_density_warm_up_reaches_the_hook(tmp_path, monkeypatch):
     assert density[0] == 1.0  # the dense first iteration
     for got, want in zip(density[1:], scheduled[1:], strict=True):
         assert abs(got - want) <= 0.25 * want + 0.005, f"densities {density}, scheduled {scheduled}"
-    assert C.load_config(str(run / "config.yaml")).spccl.warmup_steps == 3
+    assert C.load_config(str(run / "config.yaml")).spccl.pruning.warmup_steps == 3
     assert 0.005 < json.loads((run / "summary.json").read_text())["density"] < 0.02  # the last 2: density
 
 
@@ -332,8 +341,8 @@ def test_shipped_spccl_configs_finish_the_warm_up_before_the_timed_iterations():
     for name in ("tiny_cpu", "gpt2_xl_spccl", "starcoder2_spccl"):
         cfg = C.load_config(name)
         s, t = cfg.spccl, cfg.train
-        assert s.warmup_steps > 0
-        assert s.dense_iterations + s.warmup_steps <= t.warmup_iterations, name
+        assert s.pruning.warmup_steps > 0
+        assert s.dense_iterations + s.pruning.warmup_steps <= t.warmup_iterations, name
 
 
 # --------------------------------------------------------------------------- breakdown, devices, reports
@@ -473,15 +482,15 @@ def test_local_rendezvous_holds_its_port_for_the_whole_launch():
 def test_the_cost_model_is_a_config_key(monkeypatch):
     monkeypatch.setattr(T.dist, "get_world_size", lambda group=None: 4)
     assert T.collective_config(C.load_config(None), local_world=2).cost_model == "measured"  # the default
-    cfg = C.load_config(None, ["spccl.cost_model=default"])
+    cfg = C.load_config(None, ["spccl.collective.cost_model=default"])
     assert T.collective_config(cfg, local_world=2).cost_model == "default"
     with pytest.raises(C.ConfigError, match="cost_model"):
-        C.load_config(None, ["spccl.cost_model=guessed"])
+        C.load_config(None, ["spccl.collective.cost_model=guessed"])
 
 
 def test_capacity_factor_gives_way_to_exact_sizes_across_nodes(monkeypatch):
     monkeypatch.setattr(T.dist, "get_world_size", lambda group=None: 4)
-    bounded = ["spccl.capacity_factor=4", "spccl.cuda_graphs=true"]
+    bounded = ["spccl.capacity_factor=4", "spccl.collective.cuda_graphs=true"]
     one_node = C.load_config(None, bounded)
     assert T.capacity_factor(one_node, local_world=4) == 4.0
     assert T.collective_config(one_node, local_world=4).cuda_graphs
@@ -492,7 +501,9 @@ def test_capacity_factor_gives_way_to_exact_sizes_across_nodes(monkeypatch):
     keep = C.load_config(None, [*bounded, "spccl.exact_across_nodes=false"])
     assert T.capacity_factor(keep, local_world=2) == 4.0 and T.collective_config(keep, local_world=2).cuda_graphs
     assert T.capacity_factor(C.load_config(None), local_world=2) is None  # 0: exchanged counts everywhere
-    hierarchical = C.load_config(None, [*bounded, "spccl.algorithm=hierarchical", "spccl.exact_across_nodes=false"])
+    hierarchical = C.load_config(
+        None, [*bounded, "spccl.collective.algorithm=hierarchical", "spccl.exact_across_nodes=false"]
+    )
     assert T.capacity_factor(hierarchical, local_world=2) is None  # its steps take no bounds
 
 

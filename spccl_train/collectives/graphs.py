@@ -214,7 +214,7 @@ def _capture(
         raise RuntimeError(
             f"cuda_graphs: could not capture this {key[0]} in a CUDA graph ({type(exc).__name__}: {exc}); "
             "the other ranks may be waiting in theirs. Run without CollectiveConfig(cuda_graphs=True) "
-            "(trainer key spccl.cuda_graphs=false)"
+            "(trainer key spccl.collective.cuda_graphs=false)"
         ) from exc
     current.wait_stream(side)
     _named[key[:3]] = key

@@ -22,7 +22,9 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "OutputConfig",
+    "SpcclCollectiveConfig",
     "SpcclConfig",
+    "SpcclPruningConfig",
     "TrainConfig",
     "apply_overrides",
     "find_config",
@@ -110,7 +112,7 @@ class OptimConfig:
     name: str = dataclasses.field(default="adamw", metadata=_choices("adamw", "burst_adamw"))
     """``adamw``: ``torch.optim.AdamW`` (``fused=True`` on GPUs, ``foreach`` on CPU). ``burst_adamw``: :class:`spccl_train.optim.BurstAdamW`, which
     reads a gradient that error feedback held back for ``a`` steps as ``a`` steps' worth (pair it
-    with ``spccl.decay=1.0``; DDP engine only)."""
+    with ``spccl.pruning.decay=1.0``; DDP engine only)."""
     max_age: int = dataclasses.field(default=0, metadata={"min": 0, "max": 255})
     """``burst_adamw``: the most steps one arriving gradient is read as (0: no cap below 255)."""
     lr: float = dataclasses.field(default=1e-3, metadata=_at_least(0.0))
@@ -168,13 +170,10 @@ class DistConfig:
 
 
 @dataclasses.dataclass
-class SpcclConfig:
-    """Sparse gradient all-reduce (``--use-spccl`` sets ``enabled``)."""
+class SpcclPruningConfig:
+    """Pruning with error feedback (``spccl_train.pruning.PruneConfig``'s fields; its ``seed`` is
+    ``train.seed``)."""
 
-    enabled: bool = False
-    """Reduce gradients with the SpCCL DDP hook instead of dense all-reduce."""
-    prune: bool = True
-    """Sampled top-k pruning with error feedback; ``false`` all-reduces the full gradients exactly."""
     density: float = dataclasses.field(default=0.01, metadata={"min": 0.0, "max": 1.0, "strict": True})
     """Fraction of each bucket kept (0.01: 99% sparse)."""
     sample_fraction: float = dataclasses.field(default=0.001, metadata={"min": 0.0, "max": 1.0, "strict": True})
@@ -183,27 +182,54 @@ class SpcclConfig:
     """Leak of the error feedback (0: forget what was pruned)."""
     error_dtype: str = dataclasses.field(default="float32", metadata=_choices("float32", "bfloat16", "float16"))
     """Dtype of the error-feedback buffers."""
+    warmup_steps: int = dataclasses.field(default=0, metadata=_at_least(0))
+    """Density warm-up (Deep Gradient Compression's): over this many sparse iterations, counted
+    from the first one after ``spccl.dense_iterations``, the kept fraction decays exponentially
+    from 1 to ``density`` (``density ** ((s + 1) / (warmup_steps + 1))`` at sparse iteration
+    ``s``); ``density`` from iteration ``dense_iterations + warmup_steps`` on. 0: no warm-up."""
+
+
+@dataclasses.dataclass
+class SpcclCollectiveConfig:
+    """The sparse all-reduce (``spccl_train.collectives.CollectiveConfig``'s fields; its nodes come
+    from ``dist``)."""
+
     format: str = dataclasses.field(default="auto", metadata=_choices("auto", "pici", "coo", "dense"))
     """Wire format of the sparse all-reduce."""
     algorithm: str = dataclasses.field(default="auto", metadata=_choices("auto", "ring", "direct", "hierarchical"))
     """Algorithm of the sparse all-reduce (``hierarchical``: reduce inside each node, across nodes,
     gather inside each node; :mod:`spccl_train.collectives.hierarchical`)."""
     cost_model: str = dataclasses.field(default="measured", metadata=_choices("measured", "default"))
-    """What ``auto`` weighs with (``CollectiveConfig.cost_model``): ``measured`` probes the links
-    and codecs at the start and corrects itself from observed call times; ``default`` uses the
-    fixed figures of ``CostModel.default`` (no probe)."""
+    """What ``auto`` weighs with: ``measured`` probes the links and codecs at the start and corrects
+    itself from observed call times; ``default`` uses the fixed figures of ``CostModel.default``
+    (no probe)."""
+    cuda_graphs: bool = False
+    """With ``spccl.capacity_factor``, on GPUs: replay each bucket's bounded reduction from a
+    captured CUDA graph, so it costs ~0.1 ms of host time."""
+
+
+@dataclasses.dataclass
+class SpcclConfig:
+    """Sparse gradient reduction (``--use-spccl`` sets ``enabled``): the fields of
+    ``spccl_train.SparseConfig``, the one config both engines take, with its two sections
+    ``pruning`` and ``collective``, and the trainer's own ``enabled``, ``exact_across_nodes`` and
+    ``overlap``."""
+
+    enabled: bool = False
+    """Reduce gradients with SpCCL instead of the dense collective."""
+    prune: bool = True
+    """Sampled top-k pruning with error feedback; ``false`` reduces the full gradients exactly."""
+    pruning: SpcclPruningConfig = dataclasses.field(default_factory=SpcclPruningConfig)
+    """Density, threshold sampling, error feedback, density warm-up."""
+    collective: SpcclCollectiveConfig = dataclasses.field(default_factory=SpcclCollectiveConfig)
+    """Format, algorithm, cost model, CUDA graphs of the sparse all-reduce."""
     dense_iterations: int = dataclasses.field(default=1, metadata=_at_least(1))
     """First iterations reduced densely (DDP rebuilds its buckets after the first)."""
-    warmup_steps: int = dataclasses.field(default=0, metadata=_at_least(0))
-    """Density warm-up (Deep Gradient Compression's): over this many sparse iterations, counted
-    from the first one after ``dense_iterations``, the kept fraction decays exponentially from 1
-    to ``density`` (``density ** ((s + 1) / (warmup_steps + 1))`` at sparse iteration ``s``);
-    ``density`` from iteration ``dense_iterations + warmup_steps`` on. 0: no warm-up."""
     capacity_factor: float = dataclasses.field(default=0.0, metadata=_at_least(0.0))
     """0: every sparse all-reduce plans from exchanged nonzero counts (a host synchronisation per
     bucket). ``f >= 1``: after a bucket's first sparse iteration, each piece of it keeps at most
-    ``f`` times its share of ``density`` (the excess waits in the error buffer) and the all-reduce
-    is planned from those bounds, with no host synchronisation (both engines; see
+    ``f`` times its share of ``pruning.density`` (the excess waits in the error buffer) and the
+    all-reduce is planned from those bounds, with no host synchronisation (both engines; see
     ``spccl_train.SparseConfig``)."""
     exact_across_nodes: bool = True
     """With ``capacity_factor``: where the group spans nodes (``dist.ranks_per_node`` or emulated
@@ -214,11 +240,8 @@ class SpcclConfig:
     slower than NVLink costs far more than the synchronisation. ``false``: bounds everywhere."""
     prune_to_wire: bool = True
     """Prune each bucket straight into the sparse all-reduce's Pici payloads where it sends them as
-    they are (``SparseHookState``'s ``prune_to_wire``): one pass instead of two; costs a payload
-    buffer about the size of each bucket. ``false``: prune in place, then encode."""
-    cuda_graphs: bool = False
-    """With ``capacity_factor``, on GPUs: replay each bucket's bounded reduction from a captured
-    CUDA graph (``CollectiveConfig.cuda_graphs``), so it costs ~0.1 ms of host time."""
+    they are (``spccl_train.SparseConfig.prune_to_wire``): one pass instead of two; costs a payload
+    buffer about the size of each such bucket. ``false``: prune in place, then encode."""
     overlap: str = dataclasses.field(default="off", metadata=_choices("auto", "on", "off", "stream"))
     """Where buckets are pruned and reduced: ``off`` in line on the current stream, ``stream`` on a
     side CUDA stream from the hook's thread, ``on`` on a background thread and side stream
@@ -290,9 +313,9 @@ class ExperimentConfig:
             )
         if s.capacity_factor and not s.prune:
             raise ConfigError("spccl.capacity_factor needs spccl.prune=true: without pruning nothing bounds a bucket")
-        if s.cuda_graphs and not s.capacity_factor:
+        if s.collective.cuda_graphs and not s.capacity_factor:
             raise ConfigError(
-                "spccl.cuda_graphs=true needs spccl.capacity_factor >= 1: only all-reduces planned from bounds "
+                "spccl.collective.cuda_graphs=true needs spccl.capacity_factor >= 1: only all-reduces planned from bounds "
                 "are captured (the others synchronise with the host to plan)"
             )
 

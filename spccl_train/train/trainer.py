@@ -305,10 +305,10 @@ def _ranks_per_node(cfg: ExperimentConfig, local_world: int) -> int | None:
 def capacity_factor(cfg: ExperimentConfig, local_world: int) -> float | None:
     """The capacity factor both engines reduce with: ``spccl.capacity_factor`` (``None`` for 0),
     except ``None`` where the group spans nodes and ``spccl.exact_across_nodes`` asks for exact
-    sizes on the wire, and with ``spccl.algorithm=hierarchical`` (whose steps plan from their own
+    sizes on the wire, and with ``spccl.collective.algorithm=hierarchical`` (whose steps plan from their own
     counts: it takes no bounds). Needs the process group."""
     s = cfg.spccl
-    if not s.capacity_factor or s.algorithm == "hierarchical":
+    if not s.capacity_factor or s.collective.algorithm == "hierarchical":
         return None
     if s.exact_across_nodes and _ranks_per_node(cfg, local_world) is not None:
         return None
@@ -322,11 +322,11 @@ def collective_config(cfg: ExperimentConfig, local_world: int) -> CollectiveConf
     Needs the process group."""
     s = cfg.spccl
     return CollectiveConfig(
-        format=s.format,
-        algorithm=s.algorithm,
+        format=s.collective.format,
+        algorithm=s.collective.algorithm,
         ranks_per_node=_ranks_per_node(cfg, local_world),
-        cuda_graphs=s.cuda_graphs and capacity_factor(cfg, local_world) is not None,
-        cost_model=s.cost_model,
+        cuda_graphs=s.collective.cuda_graphs and capacity_factor(cfg, local_world) is not None,
+        cost_model=s.collective.cost_model,
     )
 
 
@@ -337,14 +337,7 @@ def sparse_config(cfg: ExperimentConfig, local_world: int) -> SparseConfig:
     s = cfg.spccl
     return SparseConfig(
         prune=s.prune,
-        pruning=PruneConfig(
-            density=s.density,
-            sample_fraction=s.sample_fraction,
-            decay=s.decay,
-            error_dtype=s.error_dtype,
-            seed=cfg.train.seed,
-            warmup_steps=s.warmup_steps,
-        ),
+        pruning=PruneConfig(**dataclasses.asdict(s.pruning), seed=cfg.train.seed),
         collective=collective_config(cfg, local_world),
         capacity_factor=capacity_factor(cfg, local_world),
         prune_to_wire=s.prune_to_wire,
@@ -521,8 +514,8 @@ def announce_links(cfg: ExperimentConfig, rank: int, world: int, local_world: in
     s = cfg.spccl
     if rank == 0 and s.enabled and s.capacity_factor and capacity_factor(cfg, local_world) is None:
         why = (
-            "spccl.algorithm=hierarchical takes no bounds"
-            if s.algorithm == "hierarchical"
+            "spccl.collective.algorithm=hierarchical takes no bounds"
+            if s.collective.algorithm == "hierarchical"
             else "the group spans nodes (spccl.exact_across_nodes=false keeps it)"
         )
         print(
@@ -530,7 +523,9 @@ def announce_links(cfg: ExperimentConfig, rank: int, world: int, local_world: in
             "from exchanged counts and sends exact sizes",
             flush=True,
         )
-    weighs = s.enabled and s.cost_model == "measured" and "auto" in (s.format, s.algorithm)
+    weighs = (
+        s.enabled and s.collective.cost_model == "measured" and "auto" in (s.collective.format, s.collective.algorithm)
+    )
     if world < 2 or not (cfg.dist.emulate_nodes > 1 or weighs):
         return None
     # Emulated nodes print what the network measured even where auto does not weigh with it.
