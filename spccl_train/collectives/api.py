@@ -27,10 +27,7 @@ from .._timing import Span
 from ..formats import MAX_ELEMENTS, SUPPORTED_DTYPES, Format
 from ..formats.layout import element_size
 from ..transport import P2PTransport
-from ..transport.dense import all_gather_flat, reduce_scatter_flat
 from . import hierarchical
-from ._direct import direct_all_gather, direct_all_reduce, direct_reduce_scatter
-from ._ring import ring_all_gather, ring_reduce_scatter
 from ._wire import StatusSink
 from .choice import NATIVE_MARGIN, Candidate, decide, plan_candidate
 from .chunking import ChunkLayout, count_nonzero_pieces
@@ -47,11 +44,11 @@ from .exchange import (
     config_code,
     exchange_bytes,
     exchange_counts,
-    exchange_reduced_counts,
     exchange_rounds,
     exchange_scalable,
     protocol,
 )
+from .executors import Execution, execute, gather_plan, native_collective
 from .feedback import Corrections, factor_of
 from .graphs import graph_key, remember_bounds, remembered_bounds, run_graphed
 from .hierarchical import (
@@ -63,7 +60,6 @@ from .hierarchical import (
 )
 from .links import Measured, measured_model
 from .plan import Plan
-from .rank_plan import plan_all_gather_for
 from .topology import Topology
 
 __all__ = [
@@ -848,9 +844,11 @@ def _run(
         )  # fmt: skip
 
     # 3. the executors
-    plan, extra = _execute(
-        collective, choice, config, transport, plan, bound_gather, layout, topology, x, out.view(-1), aliased, sink,
-        xdev, encoded,
+    plan, extra = execute(
+        Execution(
+            collective, choice, config, transport, plan, bound_gather, layout, topology, x, out.view(-1), aliased,
+            sink, xdev, encoded,
+        )
     )  # fmt: skip
     sent, dense = (
         (plan.bytes_sent(r), plan.dense_bytes(r))
@@ -972,63 +970,13 @@ def _decide_and_plan(
     plan = plan_candidate(choice, collective, config, counts, layout, dtype, topology, rank)
     bound_gather = None  # an all-reduce's gather phase sized from the first exchange (or the bounds)
     if collective == "all_reduce" and plan is not None and choice.gather_counts != "measured":
-        bound_gather = _gather_plan(choice, config, counts.reduced_bounds(), layout, dtype, topology, rank)
+        bound_gather = gather_plan(choice, config, counts.reduced_bounds(), layout, dtype, topology, rank)
     planned = (choice, weighed, plan, bound_gather)
     if bounded:
         if len(_bounded_plans) >= 64:
             _bounded_plans.clear()
         _bounded_plans[bounded_key] = planned
     return planned
-
-
-def _execute(
-    collective: str,
-    choice: Candidate,
-    config: CollectiveConfig,
-    transport: P2PTransport,
-    plan: Plan | None,
-    bound_gather: Plan | None,
-    layout: ChunkLayout,
-    topology: Topology,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    aliased: bool,
-    sink: StatusSink,
-    xdev: torch.Tensor | None,
-    encoded: EncodedPieces | None = None,
-) -> tuple[Plan | None, int]:
-    """Run the chosen candidate: native, or this rank's plan through the executors of its
-    algorithm. Returns the whole plan run (an all-reduce: both phases; native: ``None``) and the
-    extra count exchanges it made (1 for an all-reduce that measured its gather phase).
-    ``encoded``: an all-reduce's input as payloads, which the direct reduce-scatter sends as they
-    are; other algorithms get it decoded into ``x``."""
-    r = transport.rank
-    if encoded is not None and choice.algorithm != "direct":
-        encoded.decode_into(x, sink=sink)
-        encoded = None
-    if choice.algorithm == "native":
-        _native(collective, transport, x, y)
-        return None, 0
-    own = layout.chunks[r]
-    if collective == "all_gather":
-        copy_own = None if aliased else functools.partial(y[own.start : own.stop].copy_, x)
-        _gather_phase(choice.algorithm, transport, plan, layout, y, x, own.start, sink, copy_own=copy_own)
-        return plan, 0
-    if collective == "reduce_scatter":
-        _scatter_phase(choice.algorithm, transport, plan, layout, x, y, sink, aliased)
-        return plan, 0
-    # all-reduce: sized for what the sums can hold (no second exchange), or after measuring below
-    gather, extra = bound_gather, 0
-    if choice.algorithm == "direct" and gather is not None:  # both phases known: interleaved by wave
-        direct_all_reduce(transport, plan.steps[0], gather.steps[0], layout, x, sink, encoded)
-    else:
-        held = _scatter_phase(choice.algorithm, transport, plan, layout, x, None, sink, False, encoded)
-        if gather is None:  # measured: count the reduced chunk and exchange again
-            reduced = exchange_reduced_counts(transport, count_nonzero_pieces(x, layout, [r], base=0), xdev)
-            extra = 1
-            gather = _gather_plan(choice, config, reduced, layout, x.dtype, topology, r, measured=True)
-        _gather_phase(choice.algorithm, transport, gather, layout, x, x, 0, sink, held)
-    return plan.then(gather), extra
 
 
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -1103,7 +1051,7 @@ def _native_call(
     topology = Topology(p, rpn)
     model = _model(config, transport, topology, x.device).model
     predicted = model.predict_native(collective, layout.numel, x.dtype, topology, exchanges=0)
-    _native(collective, transport, x, y)
+    native_collective(collective, transport, x, y)
     event = timer.stop()
     nbytes = layout.numel * x.element_size()
     if corrections is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -1131,32 +1079,6 @@ def _native_call(
 _bounded_plans: dict[tuple, tuple] = {}
 """Calls with bounds: ``(choice, candidates, plan, gather plan)`` by the call and its bounds table.
 A pure memo (the decision and plans are functions of the key), so forgetting costs only a replan."""
-
-
-def _gather_plan(
-    choice: Candidate,
-    config: CollectiveConfig,
-    counts: object,
-    layout: ChunkLayout,
-    dtype: torch.dtype,
-    topology: Topology,
-    rank: int,
-    measured: bool = False,
-) -> Plan:
-    """Rank ``rank``'s plan of an all-reduce's gather phase from the reduced pieces' counts
-    (``measured``) or bounds."""
-    return plan_all_gather_for(
-        rank,
-        counts,
-        layout,
-        dtype,
-        fmt=choice.format,
-        algorithm=choice.algorithm,
-        threshold=config.thresholds.resolve(choice.format).ag,
-        topology=topology,
-        collective="all_reduce",
-        measured=measured,
-    )
 
 
 def _request(
@@ -1299,55 +1221,3 @@ def _bounded_config(config: CollectiveConfig, fingerprint: str) -> tuple[Collect
         bounded = dataclasses.replace(config, gather_counts="bound")
         hit = _bounded_configs[fingerprint] = (bounded, bounded.fingerprint())
     return hit
-
-
-def _native(collective: str, transport: P2PTransport, x: torch.Tensor, y: torch.Tensor) -> None:
-    if collective == "all_gather":
-        all_gather_flat(y, x, group=transport.group)
-    elif collective == "reduce_scatter":
-        reduce_scatter_flat(y, x, group=transport.group)
-    else:
-        dist.all_reduce(x, group=transport.group)
-
-
-def _scatter_phase(
-    algorithm: str,
-    transport: P2PTransport,
-    plan: Plan,
-    layout: ChunkLayout,
-    x: torch.Tensor,
-    out: torch.Tensor | None,
-    sink: StatusSink,
-    aliased: bool,
-    encoded: EncodedPieces | None = None,
-) -> dict[tuple[int, int], torch.Tensor] | None:
-    """The reduce-scatter phase; direct returns the Pici payloads it sent (see ``direct_reduce_scatter``)."""
-    if algorithm == "ring":
-        ring_reduce_scatter(transport, plan.steps, layout, x, out, sink, out_aliases_x=aliased)
-    elif plan.steps:
-        return direct_reduce_scatter(transport, plan.steps[0], layout, x, out, sink, encoded=encoded)
-    elif encoded is not None:  # nothing to send: the input is this rank's own chunk
-        encoded.decode_into(x, sink=sink)
-    return None
-
-
-def _gather_phase(
-    algorithm: str,
-    transport: P2PTransport,
-    plan: Plan,
-    layout: ChunkLayout,
-    out: torch.Tensor,
-    own: torch.Tensor,
-    own_base: int,
-    sink: StatusSink,
-    held: dict[tuple[int, int], torch.Tensor] | None = None,
-    copy_own: Callable[[], object] | None = None,
-) -> None:
-    """The gather phase; ``copy_own`` (an all-gather's copy of its input into its own chunk) runs before
-    the ring, and while the direct algorithm's payloads are on the wire."""
-    if algorithm == "direct" and plan.steps:
-        direct_all_gather(transport, plan.steps[0], layout, out, own, own_base, sink, held, copy_own)
-        return
-    if copy_own is not None:
-        copy_own()
-    ring_all_gather(transport, plan.steps, layout, out, own, own_base, sink)
