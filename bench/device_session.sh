@@ -2,6 +2,7 @@
 # One call on the lent GPU machine (device tool): set up, then run the named stages, logs under $OUT.
 #   bash bench/device_session.sh tests            # versions, kernel build, every CUDA test that one GPU runs
 #   bash bench/device_session.sh build            # versions and kernel build only
+#   bash bench/device_session.sh codecs           # bench_codecs (the default sweep) and bench_pruning
 #   bash bench/device_session.sh sweep 2 4        # emulated-node collective sweeps: 2 ranks, then 4, on GPU 0
 #   bash bench/device_session.sh train            # GPT-2 (MODEL=...) with 2 ranks on GPU 0 as 2 emulated nodes:
 #                                                 # the shipped SpCCL config, then dense, 100 iterations each
@@ -51,8 +52,13 @@ while [ $# -gt 0 ]; do
       stage build python3 -c 'from spccl_train._ext import load_kernels; load_kernels(); print("kernels loaded")'
       [ "$1" = build ] && { shift; continue; }
       stage gpu_tests python3 -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py tests/test_pruning.py \
-        tests/test_pruning_schedule.py tests/test_optim.py tests/test_versions.py tests/test_collectives_cuda.py \
-        tests/test_ddp_cuda.py
+        tests/test_pruning_wire.py tests/test_pruning_schedule.py tests/test_optim.py tests/test_versions.py \
+        tests/test_collectives_cuda.py tests/test_ddp_cuda.py
+      shift
+      ;;
+    codecs)
+      stage codecs python3 bench/bench_codecs.py --out-dir "$OUT"
+      stage pruning python3 bench/bench_pruning.py --out-dir "$OUT"
       shift
       ;;
     sweep)
