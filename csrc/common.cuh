@@ -19,8 +19,9 @@ constexpr int kThreads = 256;                 // threads per block, one tile at 
 constexpr unsigned kFullMask = 0xffffffffu;
 
 // Tuning knobs, measured on H200 (bench/results/NOTES.md): predecessors each look-back lane
-// examines per round, and the Pici compressor's minimum resident blocks per SM (caps its
-// registers: 5 measured 3-5 points above 6, 4 and the uncapped 44 registers).
+// examines per round, and the Pici compressor's minimum resident blocks per SM for 32-bit
+// elements (caps its registers: 5 measured 3-5 points above 6, 4 and the uncapped 44 registers;
+// 16-bit elements and the pruning compressor have their own, in tiles.cuh).
 #ifndef SPCCL_LOOKBACK_PER_LANE
 #define SPCCL_LOOKBACK_PER_LANE 1
 #endif

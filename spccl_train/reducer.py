@@ -96,7 +96,8 @@ class ReductionSummary:
     dense_bytes: int
     """Bytes a dense ring would have sent for the same calls."""
     prune_seconds: float
-    """Time in pruning (device time on CUDA)."""
+    """Time in pruning (device time on CUDA); a bucket pruned to the wire counts its encoding here,
+    which the reduction then does not."""
     reduce_seconds: float
     """Time from issuing each reduction to its completion."""
     deferred: int
@@ -257,7 +258,8 @@ class BucketReducer:
         planning_group: dist.ProcessGroup | None = None,
         planning_stream: torch.cuda.Stream | None = None,
     ) -> CollectiveWork:
-        """Prune ``tensor`` (the bucket's gradients, in place) and sum it over ``group``.
+        """Prune ``tensor`` (the bucket's gradients: in place, or into the bucket's payloads, leaving
+        ``tensor`` to be overwritten by the sum) and sum it over ``group``.
 
         All-reduce in place when ``shard`` is ``None``, else reduce-scatter into ``shard`` (this
         rank's slice of ``tensor``). ``step`` seeds the sampling; ``schedule_step`` picks the
@@ -296,7 +298,7 @@ class BucketReducer:
                 span.stop()
                 self._prune_spans.append(span)
                 bucket.last_prune = result
-                self._kept = self._kept + result.kept
+                self._kept = self._kept + result.kept.to(torch.int64)  # int32 per call; totals run longer
             else:
                 self._kept = self._kept + numel
         bounds = [list(capped[1])] * world if bounded else None

@@ -1040,10 +1040,13 @@ def _job_encoded_input(rank, world, seed):
                     assert stats.bytes_sent == expected.bytes_sent, what
                 else:
                     assert "auto" in (algorithm, fmt), what  # native was weighed too
-    # a payload set for another cut is refused, naming both
-    enc = _encode(xs[rank], ChunkLayout.of("all_reduce", n, world, 2))
-    with pytest.raises(ValueError, match="2 channels, but the call cuts .* 1 channels"):
-        spccl_train.all_reduce(torch.empty(n, dtype=xs.dtype), encoded=enc)
+    # payloads of another cut are refused on every rank, also when one rank alone has them (no hang)
+    good = _encode(xs[rank], ChunkLayout.of("all_reduce", n, world, 1))
+    other = _encode(xs[rank], ChunkLayout.of("all_reduce", n, world, 2))
+    for enc in (other, other if rank == 0 else good):
+        with pytest.raises(ValueError, match="encoded input does not fit the call"):
+            spccl_train.all_reduce(torch.empty(n, dtype=xs.dtype), encoded=enc)
+    assert other.mismatch(xs[rank], good.layout).startswith("encoded payloads are of")
     with pytest.raises(TypeError, match="encoded must be an EncodedPieces"):
         spccl_train.all_reduce(torch.empty(n, dtype=xs.dtype), encoded=xs[rank])
     return True

@@ -30,11 +30,11 @@ def _bucket(n: int, dtype: torch.dtype, error_dtype: torch.dtype, device: str, s
     return grad.to(dtype).to(device), error.to(error_dtype).to(device)
 
 
-def _assert_same(a: EncodedPieces, b: EncodedPieces) -> None:
-    assert torch.equal(a.nnz.cpu(), b.nnz.cpu())
+def _assert_same(a: EncodedPieces, b: EncodedPieces, what: str = "") -> None:
+    assert torch.equal(a.nnz.cpu(), b.nnz.cpu()), what
     for i, (piece, nnz) in enumerate(zip(a.pieces, a.nnz.tolist())):
         size = payload_bytes("pici", piece.numel, nnz, a.dtype)
-        assert torch.equal(a.payload(i)[:size].cpu(), b.payload(i)[:size].cpu()), f"payload {i} differs"
+        assert torch.equal(a.payload(i)[:size].cpu(), b.payload(i)[:size].cpu()), f"payload {i} differs: {what}"
 
 
 def _unfused(grad, error, threshold, decay, layout):
@@ -53,15 +53,19 @@ def test_fused_reference_equals_unfused_bit_for_bit(trial: int) -> None:
     layout = ChunkLayout.of("all_reduce", n, world, channels)
     threshold = torch.tensor([rng.choice([0.0, 0.5, 1.5, 2.6, 10.0])])
     decay = rng.choice([0.0, 0.9, 1.0])
-    grad, error = _bucket(n, dtype, error_dtype, "cpu", rng.randrange(1 << 30))
+    seed = rng.randrange(1 << 30)
+    what = (
+        f"{dtype}/{error_name} n={n} world={world} channels={channels} thr={float(threshold)} decay={decay} seed={seed}"
+    )
+    grad, error = _bucket(n, dtype, error_dtype, "cpu", seed)
     g0, e0 = grad.clone(), error.clone()
     fused = EncodedPieces.empty(layout, dtype, "cpu")
     kept = prune_to_wire_reference(grad, error, threshold, decay, fused)
-    assert torch.equal(grad.view(torch.uint8), g0.view(torch.uint8)), "the fused pass wrote the gradient"
+    assert torch.equal(grad.view(torch.uint8), g0.view(torch.uint8)), f"the fused pass wrote the gradient: {what}"
     unfused, kept_unfused = _unfused(g0, e0, threshold, decay, layout)
-    _assert_same(fused, unfused)
-    assert torch.equal(error.view(torch.uint8), e0.view(torch.uint8))
-    assert int(kept) == int(kept_unfused)
+    _assert_same(fused, unfused, what)
+    assert torch.equal(error.view(torch.uint8), e0.view(torch.uint8)), what
+    assert int(kept) == int(kept_unfused), what
 
 
 def test_pruner_prune_to_wire_matches_prune_then_encode() -> None:
@@ -114,8 +118,10 @@ def test_cuda_fused_kernel_matches_reference(dtype: torch.dtype, error_name: str
     rng = random.Random()
     error_dtype = PruneConfig(error_dtype=error_name).error_torch_dtype
     layout = ChunkLayout.of("all_reduce", n, rng.randrange(1, 6), rng.randrange(1, 3))
-    grad, error = _bucket(n, dtype, error_dtype, "cpu", rng.randrange(1 << 30))
+    seed = rng.randrange(1 << 30)
+    grad, error = _bucket(n, dtype, error_dtype, "cpu", seed)
     threshold = torch.tensor([rng.choice([0.0, 1.0, 2.5])])
+    what = f"world={layout.world} channels={layout.channels} thr={float(threshold)} seed={seed}"
     expected = EncodedPieces.empty(layout, dtype, "cpu")
     e_ref = error.clone()
     kept_ref = prune_to_wire_reference(grad, e_ref, threshold, 0.9, expected)
@@ -124,9 +130,9 @@ def test_cuda_fused_kernel_matches_reference(dtype: torch.dtype, error_name: str
     kept = prune_to_wire(g, e, threshold.cuda(), 0.9, got)
     torch.cuda.synchronize()
     assert torch.equal(g.cpu().view(torch.uint8), grad.view(torch.uint8)), "the kernel wrote the gradient"
-    _assert_same(got, expected)
-    assert torch.equal(e.cpu().view(torch.uint8), e_ref.view(torch.uint8))
-    assert int(kept) == int(kept_ref)
+    _assert_same(got, expected, what)
+    assert torch.equal(e.cpu().view(torch.uint8), e_ref.view(torch.uint8)), what
+    assert int(kept) == int(kept_ref), what
 
 
 @needs_kernels

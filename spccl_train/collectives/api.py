@@ -381,11 +381,13 @@ def _call(
     with torch.no_grad():
         graphed = _graphable(config, input, output, transport)
         decoded = None  # statuses of decoding ``encoded`` into the input up front
+        misfit = Problem.NONE  # reported by the exchange, so that every rank raises
         if encoded is not None:
-            _check_encoded(encoded, collective, input, transport, config)
-            if not _may_send_encoded(config, transport):
+            if _misfit(encoded, collective, input, transport, config):
+                misfit, encoded = Problem.ENCODED, None
+            elif not _may_send_encoded(config, transport):
                 decoded = StatusSink(input.device)
-                encoded.decode_into(input, sink=decoded)
+                _decode_up_front(encoded, input, decoded, planning_stream)
                 encoded = None
         exchanged = (
             graphed and bounds is None and not (collective == "all_reduce" and config.gather_counts == "measured")
@@ -393,35 +395,56 @@ def _call(
         fingerprint = config.fingerprint() + _nodes(_ranks_per_node(config, transport)) if graphed else ""
         if exchanged:  # plan from the exchanged counts, rounded up so that calls repeat and replay
             bounds = _measured_bounds(
-                collective, transport, config, fingerprint, input, output, planner, planning_stream, graph_tag, encoded
-            )
+                collective, transport, config, fingerprint, input, output, planner, planning_stream, graph_tag, encoded,
+                misfit,
+            )  # fmt: skip
         if graphed and bounds is not None:
             key = graph_key(collective, transport, input, output, fingerprint, bounds, graph_tag) + (encoded is None,)
             stats, event = run_graphed(
                 key,
                 input,
                 output,
-                lambda: _run(collective, transport, config, input, output, planner, None, bounds, encoded),
+                lambda: _run(collective, transport, config, input, output, planner, None, bounds, encoded, misfit),
                 None if encoded is None else encoded.buffer,
             )
             if exchanged:
                 stats.exchanges = 1
         else:
-            stats, event = _run(collective, transport, config, input, output, planner, planning_stream, bounds, encoded)
+            stats, event = _run(
+                collective, transport, config, input, output, planner, planning_stream, bounds, encoded, misfit
+            )
         if decoded is not None:
             _add_statuses(stats, decoded)
     _local.stats = stats
     return CollectiveWork([output], stats, event) if async_op else None
 
 
-def _check_encoded(
+def _misfit(
     encoded: object, collective: str, tensor: torch.Tensor, transport: P2PTransport, config: CollectiveConfig
-) -> None:
-    """Raise (naming what differs and the fix) where ``encoded`` is not this call's input encoded."""
+) -> bool:
+    """Whether ``encoded`` is not this call's input encoded (then the exchange reports
+    :attr:`~.exchange.Problem.ENCODED` on every rank; this rank also logs what differs). A wrong type
+    raises ``TypeError`` at once."""
     if not isinstance(encoded, EncodedPieces):
         raise TypeError(f"encoded must be an EncodedPieces or None, got {type(encoded).__name__}")
-    layout = ChunkLayout.of(collective, tensor.numel(), transport.world, config.channels)
-    encoded.check_call(collective, tensor, layout)
+    reason = encoded.mismatch(tensor, ChunkLayout.of(collective, tensor.numel(), transport.world, config.channels))
+    if reason is not None:
+        _log.error("spccl_train.all_reduce on rank %d: %s", transport.rank, reason)
+    return reason is not None
+
+
+def _decode_up_front(
+    encoded: EncodedPieces, x: torch.Tensor, sink: StatusSink, planning_stream: torch.cuda.Stream | None
+) -> None:
+    """Decode ``encoded`` into ``x`` for a call that reads its input as it is: on ``planning_stream``
+    when given (where the payloads are ready and the counting reads ``x``), then the current stream
+    waits for it (a call planned from bounds reads ``x`` there)."""
+    if planning_stream is None:
+        encoded.decode_into(x, sink=sink)
+        return
+    with torch.cuda.stream(planning_stream):
+        encoded.decode_into(x, sink=sink)
+    torch.cuda.current_stream(x.device).wait_stream(planning_stream)
 
 
 def _may_send_encoded(config: CollectiveConfig, transport: P2PTransport) -> bool:
@@ -759,16 +782,18 @@ def _run(
     planning_stream: torch.cuda.Stream | None,
     bounds: Sequence[Sequence[int]] | None = None,
     encoded: EncodedPieces | None = None,
+    misfit: Problem = Problem.NONE,
 ) -> tuple[CollectiveStats, torch.cuda.Event | None]:
     """One flat call, in stages: the request (checked locally), the counts (exchanged, or the
     caller's bounds), the decision and this rank's plan, the executors, the stats. ``encoded``
-    (an all-reduce, eager, from counts): the input as payloads, decoded where the plan needs it."""
+    (an all-reduce): the input as payloads, decoded where the plan needs it; ``misfit``: a problem
+    found in them, which the request carries to every rank."""
     p, r = transport.world, transport.rank
     timer = Span(inp.device)
     rpn = _ranks_per_node(config, transport)  # once: the exchange checks what the topology uses
     nodes = _nodes(rpn)
     fingerprint = config.fingerprint() + nodes
-    request, problems, aliased, layout = _request(collective, transport, config, fingerprint, inp, out)
+    request, problems, aliased, layout = _request(collective, transport, config, fingerprint, inp, out, misfit)
     if p == 1:
         return _local_call(collective, request, aliased, inp, out, transport, timer)
 
@@ -1088,10 +1113,13 @@ def _request(
     fingerprint: str,
     inp: torch.Tensor,
     out: torch.Tensor,
+    misfit: Problem = Problem.NONE,
 ) -> tuple[Request, Problem, bool, ChunkLayout | None]:
-    """This rank's call as the planning exchange describes it, its problems, whether it is an
-    in-place form, and its chunk layout (``None`` when it has problems)."""
+    """This rank's call as the planning exchange describes it, its problems (``misfit``: found in
+    its encoded input), whether it is an in-place form, and its chunk layout (``None`` when it has
+    problems)."""
     problems, aliased = _local_problems(collective, inp, out, transport)
+    problems |= misfit
     layout = None
     if not problems:
         layout = _layout(collective, inp, out, transport.world, config.channels)
@@ -1168,13 +1196,14 @@ def _measured_bounds(
     planning_stream: torch.cuda.Stream | None,
     tag: Hashable,
     encoded: EncodedPieces | None = None,
+    misfit: Problem = Problem.NONE,
 ) -> list[list[int]]:
     """Bounds for a graphed call from its exchanged counts: the previous bounds of this call (same
     collective, group, tag, sizes, dtype and config) while every count fits and none is loose
     (over twice its count plus 64), else new ones above the counts (``BOUND_HEADROOM``). Every rank
     exchanged the same table and made the same calls, so all derive the same bounds and graph key.
     ``fingerprint``: ``config.fingerprint()``."""
-    request, problems, _, layout = _request(collective, transport, config, fingerprint, inp, out)
+    request, problems, _, layout = _request(collective, transport, config, fingerprint, inp, out, misfit)
     x = inp.view(-1) if not problems else inp
     exchanged, _ = _exchange(
         collective,

@@ -20,6 +20,8 @@ count it returns in :attr:`EncodedPieces.nnz`::
 
 Each payload has room for its piece at any density (:func:`~spccl_train.formats.capacity_bytes`):
 together about 3% more bytes than the data, kept by whoever reuses them (a DDP bucket keeps one).
+An asynchronous all-reduce reads the payloads on its stream after it returns: rewrite them only
+once its work is done (``work.wait()``, or stream order behind it).
 """
 
 from __future__ import annotations
@@ -108,20 +110,19 @@ class EncodedPieces:
             if sink is not None:
                 sink.add(status)
 
-    def check_call(self, collective: str, tensor: torch.Tensor, layout: ChunkLayout | None) -> None:
-        """Raise ``ValueError`` / ``TypeError`` naming what differs, where these payloads are not
-        ``tensor``'s input to ``collective`` with pieces ``layout``."""
-        if collective != "all_reduce":
-            raise ValueError(f"encoded input is for all_reduce only, not {collective}; pass the tensor itself")
+    def mismatch(self, tensor: torch.Tensor, layout: ChunkLayout) -> str | None:
+        """What keeps these payloads from being ``tensor``'s input to an all-reduce cut as
+        ``layout`` (``None``: nothing)."""
         if tensor.dtype != self.dtype or tensor.device != self.device:
-            raise TypeError(
+            return (
                 f"encoded payloads carry {self.dtype} on {self.device} but the tensor is {tensor.dtype} on "
                 f"{tensor.device}; encode the tensor's own dtype on its device"
             )
-        if layout is not None and layout is not self.layout and layout != self.layout:
+        if layout is not self.layout and layout != self.layout:
             mine = self.layout
-            raise ValueError(
+            return (
                 f"encoded payloads are of {mine.numel} elements for {mine.world} ranks and {mine.channels} channels, "
                 f"but the call cuts {layout.numel} elements for {layout.world} ranks and {layout.channels} channels; "
                 "encode with the call's ChunkLayout.of('all_reduce', numel, world, config.channels)"
             )
+        return None

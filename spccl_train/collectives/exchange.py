@@ -136,6 +136,7 @@ class Problem(enum.IntFlag):
     DEVICES_DIFFER = 64
     TOO_LARGE = 128
     OVERLAP = 256
+    ENCODED = 512
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -578,6 +579,11 @@ def _describe(flag: Problem, row: list[int], f: dict[str, int], collective: str,
         return "the input and output are on different devices; put both on one device"
     if flag is Problem.TOO_LARGE:
         return f"a piece of a chunk would exceed {MAX_ELEMENTS} elements (the formats' limit); raise channels"
+    if flag is Problem.ENCODED:
+        return (
+            "the encoded input does not fit the call (another dtype, device or cut); encode the tensor's dtype on "
+            "its device with the call's ChunkLayout.of('all_reduce', tensor.numel(), world_size, config.channels)"
+        )
     return (
         "the output overlaps the input; only the in-place forms are supported (all-gather: input is the rank's "
         "slice of the output; reduce-scatter: output is the rank's slice of the input)"

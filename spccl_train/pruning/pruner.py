@@ -104,7 +104,8 @@ def _block_aligned(ranges: Sequence[tuple[int, int]], n: int) -> bool:
 
 
 class Pruner:
-    """Prunes gradient buffers in place with sampled top-k thresholds and leaky error feedback.
+    """Prunes gradient buffers with sampled top-k thresholds and leaky error feedback: in place
+    (:meth:`prune`), or into an all-reduce's Pici payloads (:meth:`prune_to_wire`).
 
     Args:
         config: a :class:`PruneConfig` (defaults: keep 1%, sample 0.1%, decay 0.9, fp32 errors,
