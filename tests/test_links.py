@@ -71,12 +71,14 @@ def _job_auto_measured(rank, world, cache_dir):
         stats = last_stats()
         other_group = dist.new_group()  # a new group measures its own links
         spccl_train.all_reduce(x.clone(), group=other_group)
-    from spccl_train.collectives.choice import NATIVE_MARGIN
+    from spccl_train.collectives.choice import NATIVE_MARGIN, STICKY_MARGIN
 
     best = min(stats.candidates.values())
-    weighed = stats.predicted_s == best or (
-        stats.algorithm == "native" and best >= (1 - NATIVE_MARGIN) * stats.candidates["native/dense"]
-    )  # the cheapest, or native when no sparse candidate wins clearly
+    weighed = (
+        stats.predicted_s == best
+        or (stats.algorithm == "native" and best >= (1 - NATIVE_MARGIN) * stats.candidates["native/dense"])
+        or (stats.algorithm != "native" and stats.predicted_s * (1 - STICKY_MARGIN) <= best)
+    )  # the cheapest; native when no sparse candidate wins clearly; the last sparse one within its margin
     return len(calls), sorted(stats.candidates.items()), weighed
 
 

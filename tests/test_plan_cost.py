@@ -468,3 +468,35 @@ def test_least_sparse_is_below_every_sparse_prediction(collective, world, rpn, d
     if collective == "all_reduce" and hierarchical.applies(topology):
         seconds, sparse = hierarchical.predict(CollectiveConfig(), summary, F32, model, choose)
         assert not sparse or seconds + model.planning(collective, n, F32, world) >= least
+
+
+def test_a_near_tie_keeps_the_candidate_the_group_ran_last():
+    """``prefer``: the group's last sparse candidate keeps winning within STICKY_MARGIN of the best,
+    and loses to one predicted clearly faster; native is never held on to."""
+    from spccl_train.collectives.choice import STICKY_MARGIN
+
+    layout = ChunkLayout.aligned(4 * 16 * TILE, 4)
+    summary = CountSummary.of("all_reduce", _table(layout, 0.013), layout, Topology(4))
+    cfg = CollectiveConfig(format="pici")
+    best, weighed = weigh(summary, cfg, F32, _model())
+    sparse = {name: t for name, t in weighed.items() if name not in ("native/dense", best.name)}
+    assert best.algorithm != "native" and sparse, weighed
+    other, t = min(sparse.items(), key=lambda kv: kv[1])
+    ratio = best.predicted_s / t  # scales the other's prediction to the best's
+    near = {other: ratio * (1 + 0.5 * STICKY_MARGIN)}  # just inside the margin: the last one stays
+    far = {other: ratio * (1 + 2 * STICKY_MARGIN)}  # outside it: the best wins
+    assert weigh(summary, cfg, F32, _model(), factors=near, prefer=other)[0].name == other
+    assert weigh(summary, cfg, F32, _model(), factors=near)[0].name == best.name  # nothing preferred
+    assert weigh(summary, cfg, F32, _model(), factors=far, prefer=other)[0].name == best.name
+    assert weigh(summary, cfg, F32, _model(), prefer="native/dense")[0].name == best.name
+
+
+def test_the_group_remembers_what_it_ran_by_collective_and_size():
+    from spccl_train._timing import Span
+    from spccl_train.collectives.feedback import Corrections
+
+    c = Corrections()
+    assert c.last_run("all_reduce", 1 << 30) is None
+    c.called("all_reduce", "ring/pici", 1 << 30, 0.01, Span(torch.device("cpu")))
+    assert c.last_run("all_reduce", 1 << 30) == "ring/pici"
+    assert c.last_run("all_reduce", 1 << 26) is None and c.last_run("all_gather", 1 << 30) is None

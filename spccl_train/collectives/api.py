@@ -857,9 +857,10 @@ def _run(
             uncorrected = choice.predicted_s / factor_of(factors, choice.name)
             corrections.called(collective, choice.name, nbytes, uncorrected, timer)
 
+    prefer = corrections.last_run(collective, nbytes) if corrections is not None else None
     choice, weighed, plan, bound_gather = _decide_and_plan(
         collective, config, key, counts, layout, inp.dtype, topology, r, model, factors, default_group, rounds,
-        bounds is not None,
+        bounds is not None, prefer,
     )  # fmt: skip
     if choice.algorithm == "hierarchical":  # auto chose it: the steps exchange and plan on the node subgroups
         chosen = (choice.predicted_s, weighed)
@@ -967,14 +968,17 @@ def _decide_and_plan(
     default_group: bool,
     rounds: int,
     bounded: bool,
+    prefer: str | None = None,
 ) -> tuple[Candidate, dict[str, float], Plan | None, Plan | None]:
     """``(choice, predictions, plan, gather plan)``: :func:`~.choice.decide` from the counts'
-    summary, then this rank's plan of the choice (none for native or hierarchical) and, for an
-    all-reduce sized from bounds, of its gather phase. A call with bounds (``bounded``: the same
-    bounds every step, a DDP bucket) decides and plans once per bounds table."""
+    summary (``prefer``: the candidate the group ran last for such a call,
+    :data:`~.choice.STICKY_MARGIN`), then this rank's plan of the choice (none for native or
+    hierarchical) and, for an all-reduce sized from bounds, of its gather phase. A call with
+    bounds (``bounded``: the same bounds every step, a DDP bucket) decides and plans once per
+    bounds table."""
     if bounded:
         corrected = tuple(sorted(factors.items())) if factors else ()
-        bounded_key = (collective, key, dtype, layout, topology, rank, corrected, counts.table.tobytes())
+        bounded_key = (collective, key, dtype, layout, topology, rank, corrected, prefer, counts.table.tobytes())
         planned = _bounded_plans.get(bounded_key)
         if planned is not None:
             return planned
@@ -989,6 +993,7 @@ def _decide_and_plan(
         default_group,
         max(rounds, 1),
         counts.table is not None,
+        prefer,
     )
     if choice.algorithm == "hierarchical":
         return choice, weighed, None, None

@@ -20,6 +20,7 @@ every rank and the decision is a pure function of them, so every rank picks alik
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 
 import torch
@@ -112,8 +113,11 @@ def weigh(
     default_group: bool = False,
     rounds: int = 1,
     rings: bool = True,
+    prefer: str | None = None,
 ) -> tuple[Candidate, dict[str, float]]:
-    """:func:`choose` from a summary: O(world x channels) array work per candidate."""
+    """:func:`choose` from a summary: O(world x channels) array work per candidate. ``prefer``:
+    the name of the candidate the group ran last for such a call, which keeps winning unless
+    another is predicted more than :data:`STICKY_MARGIN` faster."""
     collective, layout, topology = summary.collective, summary.layout, summary.topology
     native_only = config.format == "dense" and config.algorithm == "auto"
     candidates: list[tuple[Candidate, bool]] = []  # with: does it send anything sparse
@@ -178,6 +182,14 @@ def weigh(
         bar = best.predicted_s * ((1 - NATIVE_MARGIN) if best.algorithm == "native" else (1 - 1e-9))
         if not dominated and candidate.predicted_s < bar:
             best = candidate
+    if prefer is not None and prefer != best.name and best.algorithm != "native" and STICKY_MARGIN > 0:
+        kept = next((c for c, sparse in candidates if c.name == prefer and sparse), None)
+        if (
+            kept is not None
+            and kept.algorithm != "native"
+            and kept.predicted_s * (1 - STICKY_MARGIN) <= best.predicted_s
+        ):
+            best = kept
     return best, {c.name: c.predicted_s for c, _ in candidates}
 
 
@@ -186,6 +198,18 @@ NATIVE_MARGIN = 0.1
 faster. The model's codec speeds do not depend on sparsity and its fixed costs are fitted, so
 near-ties are noise: on 4 H200s a 64 MiB all-gather at 50% sparsity predicted 1% faster than NCCL
 measured 10% slower (``bench/bench_bounds.py``, 2026-11-22)."""
+
+
+STICKY_MARGIN = float(os.environ.get("SPCCL_STICKY_MARGIN", "0.05"))
+"""A sparse candidate replaces the sparse one the group ran last for such a call (same collective
+and size class) only when predicted more than this fraction faster (``SPCCL_STICKY_MARGIN``
+overrides; 0 turns it off). Near-ties flip with the noise of the counts from call to call, and a
+switch costs the new plan's first run: 2 ranks as 2 emulated nodes, 256 MiB and 1 GiB at 90%,
+``auto`` alternated between ring/Pici and direct/Pici every call and ran 1.16-1.17x the better of
+the two. With 0.05, ``auto`` was within 10% of the best fixed candidate at 11 of 12 sweep points
+against 10 of 12 without, 4 ranks on one machine, and at 12 of 12 with 2 ranks
+(``bench/results/2026-11-26_wire/sticky``). The native call keeps its own :data:`NATIVE_MARGIN`
+and is never held on to this way."""
 
 
 def _gather_modes(setting: str, fmt: Format) -> tuple[str, ...]:
@@ -214,6 +238,7 @@ def decide(
     default_group: bool = False,
     rounds: int = 1,
     rings: bool = True,
+    prefer: str | None = None,
 ) -> tuple[Candidate, dict[str, float]]:
     """:func:`weigh` on the summary rounded to 1/16 of an octave of density
     (:meth:`~.summary.CountSummary.rounded`), memoised: calls with the same sparsity profile (every
@@ -238,13 +263,16 @@ def decide(
         rounds,
         rings,
         corrected,
+        prefer,
         rounded.key(),
     )
     hit = _decisions.get(key)
     if hit is None:
         if len(_decisions) >= _MAX_DECISIONS:
             _decisions.clear()  # a pure memo: forgetting only costs a recomputation
-        hit = _decisions[key] = weigh(rounded, config, dtype, model, exchanges, factors, default_group, rounds, rings)
+        hit = _decisions[key] = weigh(
+            rounded, config, dtype, model, exchanges, factors, default_group, rounds, rings, prefer
+        )
     return hit
 
 

@@ -110,13 +110,16 @@ class Corrections:
     weighed afresh.
     """
 
-    __slots__ = ("factors", "seen", "version", "_pending")
+    __slots__ = ("factors", "last", "seen", "version", "_pending")
 
     def __init__(self) -> None:
         self.factors: dict[tuple[str, str, int], float] = {}
         """Factor by kind (absent: 1)."""
         self.seen: dict[tuple[str, str, int], int] = {}
         """Observations by kind, the first (left out) included."""
+        self.last: dict[tuple[str, int], str] = {}
+        """The candidate the group ran last, by ``(collective, size class)`` (for ``choice.weigh``'s
+        ``prefer``)."""
         self.version = 0
         self._pending: _Pending | None = None
 
@@ -137,8 +140,15 @@ class Corrections:
         return own
 
     def called(self, collective: str, candidate: str, nbytes: int, predicted_s: float, timer: Span) -> None:
-        """Remember this rank's call (its uncorrected prediction and its timer) for the next exchange."""
-        self._pending = _Pending((collective, candidate, size_class(nbytes)), predicted_s, timer)
+        """Remember this rank's call (its uncorrected prediction and its timer) for the next exchange,
+        and that the group ran ``candidate`` (every rank of the group calls this alike)."""
+        size = size_class(nbytes)
+        self._pending = _Pending((collective, candidate, size), predicted_s, timer)
+        self.last[(collective, size)] = candidate
+
+    def last_run(self, collective: str, nbytes: int) -> str | None:
+        """The candidate the group ran last for a call of this collective and size class."""
+        return self.last.get((collective, size_class(nbytes)))
 
     def report(self) -> int:
         """This rank's entry for the next exchange: its last call's nanoseconds, ``-1`` if none or
