@@ -38,6 +38,7 @@ import torch.distributed as dist
 from ._timing import Span
 from .collectives import (
     ChunkLayout,
+    CollectiveConfig,
     CollectiveStats,
     CollectiveWork,
     EncodedPieces,
@@ -127,18 +128,14 @@ class BucketReducer:
             ``capacity_factor``, ``prune_to_wire``; ``dense_iterations`` is the engine's business).
         engine: names the engine in the buckets' CUDA graph tags (``"ddp"``, ``"megatron"``).
 
-    Its attributes ``pruner``, ``prune``, ``config`` (the collective's), ``capacity_factor`` and
-    ``prune_to_wire`` are those of ``settings``.
+    ``prune``, ``config`` (the collective's), ``capacity_factor`` and ``prune_to_wire`` read
+    ``settings``; ``pruner`` is made from its pruning section.
     """
 
     __slots__ = (
         "settings",
         "pruner",
-        "prune",
-        "config",
-        "capacity_factor",
         "engine",
-        "prune_to_wire",
         "scope",
         "_reductions",
         "_dense_reductions",
@@ -158,13 +155,26 @@ class BucketReducer:
     def __init__(self, settings: SparseConfig, engine: str) -> None:
         self.settings = settings
         self.pruner = Pruner(settings.pruning)
-        self.prune = settings.prune
-        self.config = settings.collective
-        self.capacity_factor = settings.capacity_factor
-        self.prune_to_wire = settings.prune_to_wire
         self.engine = engine
         self.scope = next(_scopes)  # equal on every rank that makes its reducers in one order
         self.reset_stats()
+
+    @property
+    def prune(self) -> bool:
+        return self.settings.prune
+
+    @property
+    def config(self) -> CollectiveConfig:
+        """The collective's config."""
+        return self.settings.collective
+
+    @property
+    def capacity_factor(self) -> float | None:
+        return self.settings.capacity_factor
+
+    @property
+    def prune_to_wire(self) -> bool:
+        return self.settings.prune_to_wire
 
     def __getstate__(self) -> dict:
         return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in ("scope", "_prune_spans", "_stats")}

@@ -65,10 +65,6 @@ class EncodedPieces:
         return cls(layout, dtype, buffer, nnz, tuple(offsets))
 
     @property
-    def format(self) -> Format:
-        return Format.PICI
-
-    @property
     def device(self) -> torch.device:
         return self.buffer.device
 

@@ -95,6 +95,12 @@ class PruneResult:
     (``None`` when :meth:`Pruner.prune` got no caps)."""
 
 
+def _nothing_pruned(device: torch.device) -> PruneResult:
+    """The result of pruning an empty buffer."""
+    zero = torch.zeros(1, dtype=torch.float32, device=device)
+    return PruneResult(threshold=zero, kept=zero.to(torch.int64), numel=0)
+
+
 def _block_aligned(ranges: Sequence[tuple[int, int]], n: int) -> bool:
     """Whether every range starts on a prune block and ends on one or at ``n``."""
     return all(
@@ -169,8 +175,7 @@ class Pruner:
         g, e = grad.view(-1), error.view(-1)
         n = g.numel()
         if n == 0:
-            zero = torch.zeros(1, dtype=torch.float32, device=g.device)
-            return PruneResult(threshold=zero, kept=zero.to(torch.int64), numel=0)
+            return _nothing_pruned(g.device)
         threshold = self._threshold(g, e, step, buffer, schedule_step)
         on_triton = uses_triton(g)
         cfg = self.config
@@ -230,8 +235,7 @@ class Pruner:
             into = EncodedPieces.empty(layout, g.dtype, g.device)
         n = g.numel()
         if n == 0:
-            zero = torch.zeros(1, dtype=torch.float32, device=g.device)
-            return PruneResult(threshold=zero, kept=zero.to(torch.int64), numel=0), into
+            return _nothing_pruned(g.device), into
         threshold = self._threshold(g, e, step, buffer, schedule_step)
         kept = wire.prune_to_wire(g, e, threshold, self.config.decay, into)
         return PruneResult(threshold=threshold, kept=kept, numel=n), into
