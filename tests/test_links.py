@@ -8,6 +8,7 @@ topology, feeds ``auto``, and that codec calibrations are cached per device and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -19,7 +20,7 @@ from _pool import pool_factory
 
 import spccl_train
 from spccl_train.collectives import CollectiveConfig, Topology, feedback, last_stats, links
-from spccl_train.collectives.cost import CodecCost, CostModel
+from spccl_train.collectives.cost import CodecCost, CostModel, NativeCost
 from spccl_train.emulation import emulate_nodes, node_env
 from spccl_train.transport import P2PTransport
 
@@ -31,7 +32,7 @@ def pools(tmp_path_factory):
 
 def _job_probe(rank, world, ranks_per_node):
     probe = links.probe_links(P2PTransport(), Topology(world, ranks_per_node), torch.device("cpu"))
-    return probe.intra, probe.inter, probe.exchange_s
+    return probe.intra, probe.inter, probe.native, probe.exchange_s
 
 
 @pytest.mark.parametrize(
@@ -40,12 +41,34 @@ def _job_probe(rank, world, ranks_per_node):
 def test_probe_finds_the_hop_kinds_and_agrees_on_every_rank(pools, world, ranks_per_node, kinds):
     got = pools(world).run(_job_probe, ranks_per_node)
     assert all(g == got[0] for g in got), "ranks disagree on the measured links"
-    intra, inter, exchange_s = got[0]
+    intra, inter, native, exchange_s = got[0]
     assert {k for k, v in (("intra", intra), ("inter", inter)) if v is not None} == kinds
-    for link in (intra, inter):
+    for link in (intra, inter, native):
         if link is not None:
             assert link.bandwidth > 1e6 and 0 <= link.latency_s < 0.5
+    assert native.topology == Topology(world, ranks_per_node)
     assert 0 < exchange_s < 1.0
+
+
+def test_the_native_call_is_predicted_from_its_own_timing_on_its_own_group():
+    base = CostModel.default("cuda")
+    group = Topology(4, 1)
+    slow = NativeCost(topology=group, latency_s=1e-3, bandwidth=0.5e9)
+    model = dataclasses.replace(base, native=slow)
+    numel, size = 64 << 20, 4
+    planning = model.planning("all_reduce", numel, torch.float32, 4)
+    pushed = 2 * 3 * numel * size / 4
+    assert model.predict_native("all_reduce", numel, torch.float32, group) == pytest.approx(
+        planning + 1e-3 + pushed / 0.5e9
+    )
+    gather = model.predict_native("all_gather", numel, torch.float32, group)
+    assert gather == pytest.approx(model.planning("all_gather", numel, torch.float32, 4) + 1e-3 + pushed / 2 / 0.5e9)
+    # another group (a hierarchical step's subgroup, another node layout): the links, as before
+    for other in (Topology(2, 1), Topology(4, 2)):
+        assert model.predict_native("all_reduce", numel, torch.float32, other) == base.predict_native(
+            "all_reduce", numel, torch.float32, other
+        )
+    assert model.fingerprint() != base.fingerprint()
 
 
 @contextlib.contextmanager
@@ -142,8 +165,6 @@ def test_measured_figures_replace_the_defaults_and_the_rest_stay():
 
 
 def dataclasses_replace_keeps(base, codec):
-    import dataclasses
-
     model = dataclasses.replace(base, pici=codec)
     return model.pici == codec and model.coo == base.coo and model.fingerprint() != base.fingerprint()
 

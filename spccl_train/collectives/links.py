@@ -11,6 +11,10 @@ default) measures, collectively, on every rank of the group:
   rank (inter), each at a small size (latency) and at a size that takes a few milliseconds
   (bandwidth, grown by 4x from 1 MiB until it does). ``bandwidth = n / (t_big - t_small)``:
   bytes one rank pushes one way while all ranks push, which is how the collectives load the links;
+- **the native all-reduce**: the backend's own collective on the whole group, timed as the
+  links are (tiny, then grown until it takes about 10 ms), since NCCL's choice of algorithm,
+  protocol and channels is its own and over sockets reaches far less than point-to-point
+  transfers (:class:`~.cost.NativeCost`);
 - **exchange**: a gather of one small row from every rank read back on the host, as the count
   exchange of every call without bounds is;
 - **codecs**: Pici and COO encode / decode / accumulate on random 99% sparse fp32 data, timed on
@@ -45,7 +49,7 @@ import torch.distributed as dist
 from .._version import __version__
 from ..formats import Format, capacity_bytes, compress_into, decompress_into
 from ..transport import P2PTransport
-from .cost import CodecCost, CostModel, LinkCost
+from .cost import CodecCost, CostModel, LinkCost, NativeCost
 from .topology import Topology
 
 __all__ = ["LinkProbe", "Measured", "probe_links", "codec_costs", "measured_model", "forget_measured"]
@@ -56,6 +60,7 @@ _SMALL = 64  # bytes: latency-bound on every link
 _FIRST_LARGE = 1 << 20
 _LARGEST = {"cuda": 256 << 20, "cpu": 16 << 20}
 _LONG_ENOUGH_S = 2e-3  # a large send this long is bandwidth-bound enough to fit the slope
+_NATIVE_LONG_ENOUGH_S = 10e-3  # NCCL's socket all-reduce reaches its pace later than one send
 _REPEATS = 3
 
 
@@ -67,6 +72,8 @@ class LinkProbe:
     """Ranks of one node."""
     inter: LinkCost | None
     """Ranks of different nodes."""
+    native: NativeCost | None
+    """The backend's all-reduce on the group (``None`` for a group of one)."""
     exchange_s: float
     """One planning exchange: a small all-gather read back on the host."""
     probe_s: float
@@ -78,6 +85,8 @@ class LinkProbe:
         for name, link in (("intra-node", self.intra), ("inter-node", self.inter)):
             if link is not None:
                 parts.append(f"{name} {link.bandwidth / 1e9:.2f} GB/s, {link.latency_s * 1e6:.0f} us")
+        if self.native is not None:
+            parts.append(f"native all-reduce {self.native.bandwidth / 1e9:.2f} GB/s per rank")
         parts.append(f"exchange {self.exchange_s * 1e3:.2f} ms (probe took {self.probe_s * 1e3:.0f} ms)")
         return "; ".join(parts)
 
@@ -113,6 +122,7 @@ def probe_links(transport: P2PTransport, topology: Topology, device: torch.devic
         if grouped is not None and (kind == "inter" or rpn >= p):
             link = dataclasses.replace(link, collective_bandwidth=grouped)
         measured[kind] = link
+    native = _fit_native(transport, topology, device) if p > 1 else None
     row = torch.zeros(8, dtype=torch.int64, device=transport.exchange_device(device))
 
     def exchange() -> None:
@@ -120,7 +130,11 @@ def probe_links(transport: P2PTransport, topology: Topology, device: torch.devic
 
     exchange_s = _slowest(transport, device, statistics.median(_times(transport, device, exchange, 5)))
     return LinkProbe(
-        intra=measured["intra"], inter=measured["inter"], exchange_s=exchange_s, probe_s=time.perf_counter() - started
+        intra=measured["intra"],
+        inter=measured["inter"],
+        native=native,
+        exchange_s=exchange_s,
+        probe_s=time.perf_counter() - started,
     )
 
 
@@ -161,9 +175,25 @@ def _fit_all_to_all(transport: P2PTransport, device: torch.device) -> float:
     return _fit(transport, device, exchange, pushed=lambda n: max(1, n // p) * (p - 1))[1]
 
 
-def _fit(transport: P2PTransport, device: torch.device, make, pushed) -> tuple[float, float]:
+def _fit_native(transport: P2PTransport, topology: Topology, device: torch.device) -> NativeCost:
+    """The backend's fp32 sum all-reduce on the whole group, as :class:`~.cost.NativeCost` counts it."""
+    p = transport.world
+
+    def reduce(nbytes: int):
+        buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        return lambda: dist.all_reduce(buf, group=transport.group)
+
+    latency, bandwidth = _fit(
+        transport, device, reduce, pushed=lambda n: 2 * (p - 1) * max(4, n) / p, long_enough=_NATIVE_LONG_ENOUGH_S
+    )
+    return NativeCost(topology=topology, latency_s=latency, bandwidth=bandwidth)
+
+
+def _fit(
+    transport: P2PTransport, device: torch.device, make, pushed, long_enough: float = _LONG_ENOUGH_S
+) -> tuple[float, float]:
     """``(latency_s, bytes per second)`` of the step ``make(nbytes)`` builds, fitted from a small
-    size and one grown by 4x from 1 MiB until it takes a few milliseconds; ``pushed(nbytes)``: the
+    size and one grown by 4x from 1 MiB until it takes ``long_enough``; ``pushed(nbytes)``: the
     bytes one rank puts on the wire in it. Every rank gets the slowest rank's figures."""
 
     def seconds(nbytes: int) -> float:
@@ -173,7 +203,7 @@ def _fit(transport: P2PTransport, device: torch.device, make, pushed) -> tuple[f
     small = seconds(_SMALL)
     nbytes, large = _FIRST_LARGE, seconds(_FIRST_LARGE)
     largest = _LARGEST.get(device.type, _LARGEST["cpu"])
-    while large < _LONG_ENOUGH_S and nbytes * 4 <= largest:
+    while large < long_enough and nbytes * 4 <= largest:
         nbytes *= 4
         large = seconds(nbytes)
     slope = large - small if large > small else large
@@ -326,6 +356,7 @@ def measured_model(transport: P2PTransport, topology: Topology, device: torch.de
             base,
             intra=links.intra or base.intra,
             inter=links.inter or base.inter,
+            native=links.native,
             exchange_s=links.exchange_s,
             pici=codecs["pici"],
             coo=codecs["coo"],
