@@ -390,3 +390,21 @@ def test_auto_leaves_a_candidate_that_runs_far_slower_than_predicted(pools, tmp_
     slow = chosen[0]
     assert chosen[-1] != slow, chosen
     assert version > 0 and any(name == slow and f > 1 for (_, name, _), f in factors.items()), factors
+
+
+def test_the_fit_grows_past_a_slow_start_up(monkeypatch):
+    """Over sockets a tiny call takes tens of milliseconds and jitters by milliseconds: the large
+    transfer must take at least twice as long as the tiny one, or its slope is the jitter."""
+    start_up, rate = 50e-3, 0.6e9
+    sizes = []
+
+    def make(nbytes):
+        sizes.append(nbytes)
+        jitter = 2e-3 if nbytes > links._SMALL else 0.0  # a tiny call that happened to run fast
+        return lambda: start_up + jitter + nbytes / rate
+
+    monkeypatch.setattr(links, "_times", lambda transport, device, step, repeats: [step()])
+    monkeypatch.setattr(links, "_slowest", lambda transport, device, seconds: seconds)
+    latency, bandwidth = links._fit(None, torch.device("cuda"), make, pushed=lambda n: n, long_enough=10e-3)
+    assert max(sizes) == 64 << 20  # 1 MiB took 54 ms (> 10 ms), 16 MiB 80 ms, 64 MiB 164 ms (> 2 x 50 ms)
+    assert latency == pytest.approx(start_up, rel=1e-3) and bandwidth == pytest.approx(rate, rel=0.05)

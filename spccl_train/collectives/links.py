@@ -193,7 +193,8 @@ def _fit(
     transport: P2PTransport, device: torch.device, make, pushed, long_enough: float = _LONG_ENOUGH_S
 ) -> tuple[float, float]:
     """``(latency_s, bytes per second)`` of the step ``make(nbytes)`` builds, fitted from a small
-    size and one grown by 4x from 1 MiB until it takes ``long_enough``; ``pushed(nbytes)``: the
+    size and one grown by 4x from 1 MiB until it takes ``long_enough`` and twice the small one's
+    time (or reaches the largest size the device type allows); ``pushed(nbytes)``: the
     bytes one rank puts on the wire in it. Every rank gets the slowest rank's figures."""
 
     def seconds(nbytes: int) -> float:
@@ -203,7 +204,11 @@ def _fit(
     small = seconds(_SMALL)
     nbytes, large = _FIRST_LARGE, seconds(_FIRST_LARGE)
     largest = _LARGEST.get(device.type, _LARGEST["cpu"])
-    while large < long_enough and nbytes * 4 <= largest:
+    # Grown until long enough, and until the bytes take at least as long as the start-up: over
+    # sockets a tiny call takes 10-70 ms and jitters by milliseconds, so a slope fitted on a
+    # transfer of that length was noise (4 ranks as 4 emulated nodes on one H200, 2026-11-26: the
+    # native all-reduce fitted 4.87 and 0.06 GB/s per rank on two machines, 1.25 and 0.62 run).
+    while (large < long_enough or large < 2 * small) and nbytes * 4 <= largest:
         nbytes *= 4
         large = seconds(nbytes)
     slope = large - small if large > small else large
