@@ -28,6 +28,7 @@ from spccl_train.collectives import CollectiveConfig, CostModel, Topology, choos
 from spccl_train.collectives.choice import clear_decisions
 from spccl_train.collectives.chunking import ChunkLayout
 from spccl_train.collectives.cost import CodecCost, LinkCost
+from spccl_train.collectives.state import clear_memos
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +207,7 @@ def test_the_hierarchical_steps_weighing_is_memoised_and_the_memo_is_pure():
     first = _weigh(32, 8, 0.05, inter_bandwidth=2e9)[1]["hierarchical"]
     assert hierarchical._steps, "the steps' weighings are kept"
     again = _weigh(32, 8, 0.05, inter_bandwidth=2e9)[1]["hierarchical"]  # from the memo
-    hierarchical.clear_steps()
+    clear_memos("hierarchical steps")
     fresh = _weigh(32, 8, 0.05, inter_bandwidth=2e9)[1]["hierarchical"]  # recomputed
     assert first == again == fresh
     clear_decisions()

@@ -17,7 +17,6 @@ import logging
 import math
 import os
 import threading
-import weakref
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -60,6 +59,7 @@ from .hierarchical import (
 )
 from .links import Measured, measured_model
 from .plan import Plan
+from .state import Memo, group_state, state_of
 from .topology import Topology
 
 __all__ = [
@@ -598,22 +598,9 @@ def _graphable(config: CollectiveConfig, inp: torch.Tensor, out: torch.Tensor, t
     )
 
 
-_transports: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _transport(group: dist.ProcessGroup | None) -> P2PTransport:
-    """The group's transport, made once per group object (its rank and peers are fixed).
-
-    Weakly keyed: holding a group would keep it alive past ``destroy_process_group``, and its
-    backend's threads past interpreter shutdown.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return P2PTransport(group)  # raises the not-initialised error
-    key = group if group is not None else dist.group.WORLD
-    transport = _transports.get(key)
-    if transport is None:
-        transport = _transports[key] = P2PTransport(group)
-    return transport
+    """The group's transport, made once per group object (:func:`~.state.group_state`)."""
+    return group_state(group).transport
 
 
 def _nodes(ranks_per_node: int | None) -> str:
@@ -632,15 +619,11 @@ def _ranks_per_node(config: CollectiveConfig, transport: P2PTransport) -> int | 
         value = os.environ.get(name, "")
         if value.isdigit() and int(value) >= 1:
             launch = int(value)
-            known = _group_nodes.setdefault(transport, {})
+            known = state_of(transport).nodes
             if launch not in known:  # an O(world) pass over the members, once per group and figure
                 known[launch] = group_ranks_per_node(transport.global_ranks, launch)
             return known[launch]
     return None
-
-
-_group_nodes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Per transport (weakly, as :data:`_transports`): ``{launch ranks per node: the group's}``."""
 
 
 def group_ranks_per_node(global_ranks: Sequence[int], launch_ranks_per_node: int) -> int | None:
@@ -674,24 +657,18 @@ def _model(config: CollectiveConfig, transport: P2PTransport, topology: Topology
     found = _default_models.get(device.type)
     if found is None:
         model = CostModel.default(device)
-        found = _default_models[device.type] = Measured(model=model, tag=f"default:{device.type}", links=None)
+        found = _default_models.put(device.type, Measured(model=model, tag=f"default:{device.type}", links=None))
     return found
 
 
-_default_models: dict[str, Measured] = {}
-
-_corrections_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_default_models = Memo("default models", 16)
 
 
 def _corrections(config: CollectiveConfig, transport: P2PTransport) -> Corrections | None:
-    """The group's :class:`~.feedback.Corrections` when its model is the measured one, else ``None``.
-    Keyed by the transport (one per group object), weakly, as the transports are."""
+    """The group's :class:`~.feedback.Corrections` when its model is the measured one, else ``None``."""
     if config.cost_model != "measured" or transport.world < 2:
         return None
-    found = _corrections_of.get(transport)
-    if found is None:
-        found = _corrections_of[transport] = Corrections()
-    return found
+    return state_of(transport).corrections
 
 
 def learned_corrections(group: dist.ProcessGroup | None = None) -> Corrections:
@@ -948,7 +925,7 @@ def _local_call(
 
 def _remember_checked(transport: P2PTransport, request: Request) -> None:
     """Note that an exchange checked this call's signature on every rank (``check_calls="first"``)."""
-    checked = _checked.setdefault(transport, set())
+    checked = state_of(transport).checked
     if len(checked) >= 1024:  # every rank adds and forgets alike; a forgotten shape is checked again
         checked.clear()
     checked.add(_signature(request))
@@ -1003,15 +980,8 @@ def _decide_and_plan(
         bound_gather = gather_plan(choice, config, counts.reduced_bounds(), layout, dtype, topology, rank)
     planned = (choice, weighed, plan, bound_gather)
     if bounded:
-        if len(_bounded_plans) >= 64:
-            _bounded_plans.clear()
-        _bounded_plans[bounded_key] = planned
+        _bounded_plans.put(bounded_key, planned)
     return planned
-
-
-_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Per transport (weakly), the call signatures (:func:`_signature`) a count exchange has checked
-on every rank: a call of one of them that ``auto`` sends native skips the exchange."""
 
 
 def _signature(request: Request) -> tuple[int, ...]:
@@ -1040,7 +1010,7 @@ def _goes_native_unexchanged(
         or config.format not in ("auto", "dense")
         or layout is None
         or request.problems
-        or _signature(request) not in _checked.get(transport, ())
+        or _signature(request) not in state_of(transport).checked
     ):
         return False
     if config.format == "dense":
@@ -1106,7 +1076,7 @@ def _native_call(
     return stats, event
 
 
-_bounded_plans: dict[tuple, tuple] = {}
+_bounded_plans = Memo("bounded plans", 64)
 """Calls with bounds: ``(choice, candidates, plan, gather plan)`` by the call and its bounds table.
 A pure memo (the decision and plans are functions of the key), so forgetting costs only a replan."""
 
@@ -1242,7 +1212,7 @@ def _measured_bounds(
     return bounds
 
 
-_bounded_configs: dict[str, tuple[CollectiveConfig, str]] = {}
+_bounded_configs = Memo("bounded configs", 64)
 
 
 def _bounded_config(config: CollectiveConfig, fingerprint: str) -> tuple[CollectiveConfig, str]:
@@ -1250,8 +1220,6 @@ def _bounded_config(config: CollectiveConfig, fingerprint: str) -> tuple[Collect
     (equal fingerprints plan alike; a call with bounds repeats every training step)."""
     hit = _bounded_configs.get(fingerprint)
     if hit is None:
-        if len(_bounded_configs) >= 64:
-            _bounded_configs.clear()
         bounded = dataclasses.replace(config, gather_counts="bound")
-        hit = _bounded_configs[fingerprint] = (bounded, bounded.fingerprint())
+        hit = _bounded_configs.put(fingerprint, (bounded, bounded.fingerprint()))
     return hit

@@ -34,6 +34,7 @@ from .exchange import Counts
 from .feedback import factor_of
 from .plan import Plan
 from .rank_plan import plan_all_gather_for, plan_direct_reduce_scatter_for, plan_reduce_scatter_for
+from .state import Memo, clear_memos
 from .summary import CountSummary, predict_variants
 from .topology import Topology
 
@@ -230,7 +231,7 @@ def _gather_modes(setting: str, fmt: Format) -> tuple[str, ...]:
 DENSITY_STEPS_PER_OCTAVE = 16
 """Resolution of :func:`decide`: densities within 2**(1/16) (4.4%) share a decision."""
 _MAX_DECISIONS = 1024
-_decisions: dict[tuple, tuple[Candidate, dict[str, float]]] = {}
+_decisions = Memo("decisions", _MAX_DECISIONS)
 
 
 def decide(
@@ -274,10 +275,8 @@ def decide(
     )
     hit = _decisions.get(key)
     if hit is None:
-        if len(_decisions) >= _MAX_DECISIONS:
-            _decisions.clear()  # a pure memo: forgetting only costs a recomputation
-        hit = _decisions[key] = weigh(
-            rounded, config, dtype, model, exchanges, factors, default_group, rounds, rings, prefer
+        hit = _decisions.put(
+            key, weigh(rounded, config, dtype, model, exchanges, factors, default_group, rounds, rings, prefer)
         )
     return hit
 
@@ -285,9 +284,7 @@ def decide(
 def clear_decisions(steps: bool = True) -> None:
     """Forget every memoised decision, and (``steps``) the hierarchical steps' weighings (for
     measurements of the weighing itself)."""
-    _decisions.clear()
-    if steps:
-        hierarchical.clear_steps()
+    clear_memos("decisions", *(["hierarchical steps"] if steps else []))
 
 
 def plan_candidate(

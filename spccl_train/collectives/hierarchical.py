@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -56,13 +55,13 @@ from .chunking import ChunkLayout
 from .config import CollectiveConfig
 from .cost import CostModel
 from .exchange import exchange_rounds, protocol
+from .state import Memo, state_of
 from .summary import CountSummary
 from .topology import Topology
 
 __all__ = [
     "applies",
     "check_hierarchy",
-    "clear_steps",
     "hierarchical_all_gather",
     "hierarchical_all_reduce",
     "hierarchical_reduce_scatter",
@@ -70,9 +69,6 @@ __all__ = [
     "predict",
     "subgroups",
 ]
-
-_subgroups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Per transport (weakly: it lives as long as its group), ``{ranks_per_node: (intra, inter)}``."""
 
 
 def check_hierarchy(world: int, ranks_per_node: int | None) -> None:
@@ -107,8 +103,13 @@ def predict(
        ``1 - prod(1 - d)`` over its ranks (fill-in as for independent supports);
     3. the all-gather inside a node of the slices at the whole sum's density.
 
-    Each step's prediction includes its own planning exchange. Returns the time and whether any
-    step would send sparsely (if none does, it is NCCL's work done slower: it never wins).
+    Each step's prediction includes its own planning exchange. Under ``auto`` a step is weighed as
+    the direct algorithm or the native call, not as a ring: weighing rings took four fifths of
+    this function's time (8 ranks per node: 0.5 of 0.7 ms per new profile), and the step's own
+    ``auto`` still picks a ring where it is faster, so the prediction is at most that much above
+    the step's (on 4 ranks the ring ran up to 7% faster than the direct call, on NVLink and at two
+    ranks slower; ``bench/results/2026-11-26_native/``). Returns the time and whether any step
+    would send sparsely (if none does, it is NCCL's work done slower: it never wins).
     The summary's topology must satisfy :func:`applies`. O(world) work, plus each step's weighing.
     """
     layout, topology = summary.layout, summary.topology
@@ -135,13 +136,10 @@ def predict(
             sizes[layout.channels :] = 0
         table = np.rint(np.outer(rows, sizes)).astype(np.int64)
         how = protocol(world)  # each step exchanges its counts as its subgroup's size says
-        whole = how == "table" or cfg.algorithm == "ring"
-        rounds = exchange_rounds(how, collective, cfg.algorithm == "ring")
-        chosen, _ = weigh(collective, cfg, table, sub, dtype, Topology(world, rpn), model, rounds=rounds, rings=whole)
-        if len(_steps) >= _MAX_STEPS:
-            _steps.clear()  # a pure memo: forgetting only costs a recomputation
-        hit = _steps[key] = (chosen.predicted_s, chosen.algorithm != "native")
-        return hit
+        rings = cfg.algorithm == "ring"  # else weighed as direct or native: see below
+        rounds = exchange_rounds(how, collective, rings)
+        chosen, _ = weigh(collective, cfg, table, sub, dtype, Topology(world, rpn), model, rounds=rounds, rings=rings)
+        return _steps.put(key, (chosen.predicted_s, chosen.algorithm != "native"))
 
     densest = max(range(nodes), key=lambda k: sum(by_node[k]))
     steps = [
@@ -152,14 +150,8 @@ def predict(
     return sum(t for t, _ in steps), any(sparse for _, sparse in steps)
 
 
-_MAX_STEPS = 1024
-_steps: dict[tuple, tuple[float, bool]] = {}
+_steps = Memo("hierarchical steps", 1024)
 """:func:`predict`'s step weighings by their inputs."""
-
-
-def clear_steps() -> None:
-    """Forget every memoised step weighing (with :func:`~.choice.clear_decisions`)."""
-    _steps.clear()
 
 
 def is_world(group: dist.ProcessGroup | None) -> bool:
@@ -178,7 +170,7 @@ def subgroups(transport, ranks_per_node: int) -> tuple:
     group makes the same decision. Subgroup rank ``i`` is node ``i`` (inter) or local rank ``i``
     (intra), as the block transposes of the all-gather and reduce-scatter assume.
     """
-    made = _subgroups.setdefault(transport, {})
+    made = state_of(transport).subgroups
     if ranks_per_node not in made:
         world, rank = transport.world, transport.rank
         nodes = world // ranks_per_node

@@ -40,7 +40,6 @@ import pathlib
 import socket
 import statistics
 import time
-import weakref
 import zlib
 
 import torch
@@ -50,6 +49,7 @@ from .._version import __version__
 from ..formats import Format, capacity_bytes, compress_into, decompress_into
 from ..transport import P2PTransport
 from .cost import CodecCost, CostModel, LinkCost, NativeCost
+from .state import live_states, state_of
 from .topology import Topology
 
 __all__ = ["LinkProbe", "Measured", "probe_links", "codec_costs", "measured_model", "forget_measured"]
@@ -338,9 +338,6 @@ class Measured:
         )
 
 
-_measured: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def measured_model(transport: P2PTransport, topology: Topology, device: torch.device) -> Measured:
     """The group's measured :class:`CostModel`, with a tag naming it and the probe's figures.
 
@@ -348,7 +345,7 @@ def measured_model(transport: P2PTransport, topology: Topology, device: torch.de
     Collective on that first call: every rank of the group must make it, as every collective call
     does. Figures the probe cannot see keep the defaults.
     """
-    per_group = _measured.setdefault(transport.group, {})
+    per_group = state_of(transport).measured
     key = (topology.ranks_per_node, device.type)
     found = per_group.get(key)
     if found is None:
@@ -428,4 +425,5 @@ def _shared_codecs(
 
 def forget_measured() -> None:
     """Drop every measured model (the next call of each group probes again)."""
-    _measured.clear()
+    for state in live_states():
+        state.measured.clear()

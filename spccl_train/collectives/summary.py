@@ -52,6 +52,7 @@ from ..formats.layout import element_size
 from .chunking import ChunkLayout, piece_arrays
 from .cost import CostModel
 from .plan import PADDED_GATHER_SLACK, sparsities
+from .state import Memo
 from .topology import Topology
 
 __all__ = ["CountSummary", "Prediction", "predict", "predict_variants"]
@@ -376,8 +377,7 @@ def predict_variants(
     return out
 
 
-_TERMS: dict[tuple, tuple] = {}
-_MAX_TERMS = 256
+_TERMS = Memo("weighing terms", 256)
 
 
 def _terms(make, geo: _Geometry, model: CostModel, *key):
@@ -386,9 +386,7 @@ def _terms(make, geo: _Geometry, model: CostModel, *key):
     full = (make, id(geo), id(model), *key)
     hit = _TERMS.get(full)
     if hit is None or hit[0] is not geo or hit[1] is not model:  # ids of live objects only
-        if len(_TERMS) >= _MAX_TERMS:
-            _TERMS.clear()  # a pure memo
-        hit = _TERMS[full] = (geo, model, make(geo, model, *key))
+        hit = _TERMS.put(full, (geo, model, make(geo, model, *key)))
     return hit[2]
 
 

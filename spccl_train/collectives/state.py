@@ -1,0 +1,101 @@
+"""What the collectives keep between calls, in one place: each process group's state, and the memos.
+
+**Per group** (:class:`GroupState`, one per process group object, held weakly: a group kept alive
+here would outlive ``destroy_process_group``, and its backend's threads the interpreter):
+
+- its :class:`~spccl_train.transport.P2PTransport` (rank and peers are fixed);
+- its ranks per node as the launch describes them (:func:`~.api.group_ranks_per_node`);
+- its measured cost models (:mod:`.links`, probed on its first call) and the corrections learned
+  from its calls' times (:mod:`.feedback`), equal on every rank of the group;
+- the call shapes an exchange has checked on every rank (``check_calls="first"``);
+- the subgroups of its hierarchical collectives (:mod:`.hierarchical`).
+
+Every rank of a group changes its state alike (the same calls, the same exchanged figures), so the
+ranks' decisions stay equal without a synchronisation of their own.
+
+**Memos** (:class:`Memo`): pure functions' results by their inputs (decisions, hierarchical step
+weighings, weighing terms, bounded plans, ...). Forgetting one costs only its recomputation, so
+each forgets everything when full, and :func:`clear_memos` forgets them all (to time the cold path).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Hashable
+
+import torch.distributed as dist
+
+from ..transport import P2PTransport
+from .feedback import Corrections
+
+__all__ = ["GroupState", "Memo", "clear_memos", "group_state", "live_states", "state_of"]
+
+
+class Memo(dict):
+    """A pure memo that holds at most ``max_entries`` and then starts over."""
+
+    def __init__(self, name: str, max_entries: int) -> None:
+        super().__init__()
+        self.name = name
+        self.max_entries = max_entries
+        _memos.append(weakref.ref(self))
+
+    def put(self, key: Hashable, value):
+        """Remember ``value`` under ``key`` (forgetting all else when full); returns ``value``."""
+        if len(self) >= self.max_entries:
+            self.clear()
+        self[key] = value
+        return value
+
+
+_memos: list[weakref.ref] = []
+
+
+def clear_memos(*names: str) -> None:
+    """Forget every memo (or those named)."""
+    for ref in _memos:
+        memo = ref()
+        if memo is not None and (not names or memo.name in names):
+            memo.clear()
+
+
+class GroupState:
+    """One process group's state (see the module's text)."""
+
+    __slots__ = ("transport", "nodes", "measured", "corrections", "checked", "subgroups", "__weakref__")
+
+    def __init__(self, transport: P2PTransport) -> None:
+        self.transport = transport
+        self.nodes: dict[int, int | None] = {}
+        """``{launch ranks per node: the group's ranks per node}``."""
+        self.measured: dict[tuple, object] = {}
+        """``{(ranks_per_node, device type): links.Measured}``."""
+        self.corrections = Corrections()
+        self.checked: set[tuple[int, ...]] = set()
+        """Signatures of the call shapes an exchange checked on every rank."""
+        self.subgroups: dict[int, tuple] = {}
+        """``{ranks_per_node: (intra, inter)}``: this rank's node and cross-node subgroups."""
+
+
+_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def group_state(group: dist.ProcessGroup | None) -> GroupState:
+    """The state of ``group`` (``None``: the default group), made on first use."""
+    if not (dist.is_available() and dist.is_initialized()):
+        P2PTransport(group)  # raises the not-initialised error
+    key = group if group is not None else dist.group.WORLD
+    state = _groups.get(key)
+    if state is None:
+        state = _groups[key] = GroupState(P2PTransport(group))
+    return state
+
+
+def state_of(transport: P2PTransport) -> GroupState:
+    """The state of ``transport``'s group (a transport made outside :func:`group_state` shares it)."""
+    return group_state(transport.group)
+
+
+def live_states() -> list[GroupState]:
+    """The state of every group still alive."""
+    return list(_groups.values())
