@@ -1,7 +1,21 @@
 """The ring algorithm of the SpCCL paper, run from a plan: reduce-scatter and all-gather phases.
 
-Ranks pass chunks to their right neighbour ``rank + 1`` in ``world - 1`` steps per phase. Each
-chunk is cut into pieces (channels) and the loop is software-pipelined by piece: piece ``k`` of
+Ranks pass chunks to their right neighbour ``rank + 1`` in ``world - 1`` steps per phase; at
+each step every rank sends one chunk and receives one (:func:`ring_chunk`, which the planner
+(:mod:`.rank_plan`) sizes the messages by). For rank ``q`` of ``p``:
+
+- **reduce-scatter**, step ``s`` (``0 .. p - 2``): send chunk ``(q - s - 1) % p`` (step 0: this
+  rank's own contribution; later: the running sum received at step ``s - 1``, to which this rank
+  added its own); receive chunk ``(q - s - 2) % p`` from ``q - 1`` and add this rank's
+  contribution to it. The chunk received at the last step is chunk ``q``, now summed over all
+  ``p`` ranks: this rank's result. A piece sent at step ``s`` carries ``s + 1`` contributions,
+  which is how its nonzero bound and its sparsity are extrapolated (fill-in).
+- **all-gather**, step ``s``: send chunk ``(q - s) % p`` (step 0: this rank's own, encoded once;
+  later: the payload received at step ``s - 1``, forwarded unchanged); receive chunk
+  ``(q - s - 1) % p`` from ``q - 1`` and decode it into place. After ``p - 1`` steps every rank
+  holds every chunk.
+
+Each chunk is cut into pieces (channels) and the loop is software-pipelined by piece: piece ``k`` of
 step ``s`` is finished (received, reduced or decoded) and then piece ``k`` of step ``s + 1`` is
 encoded and posted, so while piece ``k`` is on the wire the next pieces are being encoded. On
 CUDA, ``Work.wait()`` orders the current stream after NCCL's and never blocks the host.
@@ -26,7 +40,16 @@ from ._wire import StatusSink, as_bytes, carve, decode, encode
 from .chunking import ChunkLayout
 from .plan import WIRE_FORMATS, Messages, Step
 
-__all__ = ["ring_reduce_scatter", "ring_all_gather"]
+__all__ = ["ring_all_gather", "ring_chunk", "ring_reduce_scatter"]
+
+_SHIFT = {"reduce_scatter": 1, "all_gather": 0}
+
+
+def ring_chunk(rank, step, world: int, phase: str):
+    """The chunk ``rank`` sends to ``rank + 1`` at ``step`` of a ring ``phase`` (``"reduce_scatter"``
+    or ``"all_gather"``); it receives ``ring_chunk(rank - 1, step, ...)``. Elementwise over arrays."""
+    return (rank - step - _SHIFT[phase]) % world
+
 
 _Pending = tuple[list, Callable[[], None] | None]
 

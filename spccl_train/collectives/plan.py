@@ -519,9 +519,10 @@ def plan_reduce_scatter(
 
 
 def _ring_reduce_scatter_steps(counts, layout, sizes, fmt, th, topo) -> tuple[Step, ...]:
-    # Step s: rank q sends its running sum of chunk (q - s - 1) % p to q + 1, which adds its own
-    # contribution; after p - 1 steps rank c holds the full sum of chunk c. The piece sent at
-    # step s carries the contributions of ranks c + 1, ..., c + s + 1 = q.
+    # _ring.ring_chunk's schedule, restated on purpose (this planner is the oracle of the rank
+    # planner): step s, rank q sends its running sum of chunk (q - s - 1) % p to q + 1, which
+    # adds its own contribution; after p - 1 steps rank c holds the full sum of chunk c. The piece
+    # sent at step s carries the contributions of ranks c + 1, ..., c + s + 1 = q.
     p, ch = layout.world, layout.channels
     sigma = [[1.0] * ch for _ in range(p)]
     bound = [[0] * ch for _ in range(p)]

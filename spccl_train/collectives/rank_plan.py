@@ -25,6 +25,7 @@ import torch
 
 from ..formats import COO_HEADER_BYTES, TILE, Format
 from ..formats.layout import element_size
+from ._ring import ring_chunk
 from .chunking import ChunkLayout, piece_arrays
 from .plan import (
     FORMAT_CODE,
@@ -232,8 +233,8 @@ def _direct_geometry(rank: int, layout: ChunkLayout, topology: Topology, gather:
 
 
 def _ring_reduce_scatter(rank, cube, n, start, dtype, fmt, th, topo) -> tuple[Step, ...]:
-    # Step s: rank q sends its running sum of chunk (q - s - 1) % p to q + 1, which adds its own;
-    # the piece carries the contributions of ranks c + 1, ..., q (s + 1 of them, in ring order).
+    # The schedule is _ring.ring_chunk's: the piece of chunk c sent at step s carries the
+    # contributions of ranks c + 1, ..., q (s + 1 of them, in ring order).
     p, ch = n.shape
     if p == 1:
         return ()
@@ -256,20 +257,19 @@ def _ring_reduce_scatter(rank, cube, n, start, dtype, fmt, th, topo) -> tuple[St
         fmt,
         lambda c, s, k: (bound[c, s, k], exact[c, s, k], sigma[c, s, k]),
         lambda inter: np.where(inter, th.inter, th.intra),
-        shift=1,
     )
 
 
-def _ring_steps(phase, rank, n, start, node, dtype, fmt, fields, threshold, shift) -> tuple[Step, ...]:
-    """This rank's ring steps: at step ``s`` rank ``q`` sends chunk ``(q - s - shift) % p`` to
-    ``q + 1``; this rank's messages are its own and its left neighbour's (what it receives), in
-    rank order. ``fields(c, s, k)`` gives ``(bound, exact, sigma)`` of piece ``k`` of chunk ``c``
-    sent at step ``s`` (equally long index arrays); ``threshold(inter)`` each hop's threshold."""
+def _ring_steps(phase, rank, n, start, node, dtype, fmt, fields, threshold) -> tuple[Step, ...]:
+    """This rank's ring steps, on :func:`~._ring.ring_chunk`'s schedule: this rank's messages are
+    its own and its left neighbour's (what it receives), in rank order. ``fields(c, s, k)`` gives
+    ``(bound, exact, sigma)`` of piece ``k`` of chunk ``c`` sent at step ``s`` (equally long index
+    arrays); ``threshold(inter)`` each hop's threshold."""
     p, ch = n.shape
     if p == 1:
         return ()
     senders = np.array(sorted({rank, (rank - 1) % p}))
-    chunks = (senders[None, :] - np.arange(p - 1)[:, None] - shift) % p  # [step, sender]
+    chunks = ring_chunk(senders[None, :], np.arange(p - 1)[:, None], p, phase.value)  # [step, sender]
     s, j, k = np.nonzero(n[chunks] > 0)  # every message, in (step, sender, piece) order
     c, src = chunks[s, j], senders[j]
     dst = (src + 1) % p
@@ -307,7 +307,7 @@ def plan_all_gather_for(
     ranks = np.arange(p)
     node = _node(topology, ranks)
     sigma_all = sparsities(n, payload)
-    if algorithm == "ring":  # each payload forwarded p - 1 times unchanged: step s moves chunk (q - s) % p
+    if algorithm == "ring":  # each payload forwarded p - 1 times unchanged
         steps = _ring_steps(
             Phase.ALL_GATHER,
             rank,
@@ -318,7 +318,6 @@ def plan_all_gather_for(
             fmt,
             lambda c, s, k: (payload[c, k], np.full(len(c), measured), sigma_all[c, k]),
             lambda inter: np.full(inter.shape, threshold),
-            shift=0,
         )
         return Plan(collective, algorithm, fmt, dtype, layout, topology, tuple(steps), rank)
     if algorithm != "direct":
