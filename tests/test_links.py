@@ -62,7 +62,8 @@ def test_the_native_call_is_predicted_from_its_own_timing_on_its_own_group():
         planning + 1e-3 + pushed / 0.5e9
     )
     gather = model.predict_native("all_gather", numel, torch.float32, group)
-    assert gather == pytest.approx(model.planning("all_gather", numel, torch.float32, 4) + 1e-3 + pushed / 2 / 0.5e9)
+    # one ring, not two: half the bytes and half the start-up
+    assert gather == pytest.approx(model.planning("all_gather", numel, torch.float32, 4) + (1e-3 + pushed / 0.5e9) / 2)
     # another group (a hierarchical step's subgroup, another node layout): the links, as before
     for other in (Topology(2, 1), Topology(4, 2)):
         assert model.predict_native("all_reduce", numel, torch.float32, other) == base.predict_native(
@@ -290,8 +291,9 @@ def test_a_far_miss_moves_the_factor_halfway_and_a_near_one_does_not():
     assert not observe(predicted * factors[-1] * 1.2)  # near its corrected prediction: kept
     assert not observe(predicted * error, [-1, 5])  # a rank that had not finished: nothing learned
     assert c.version == version
-    # other sizes and collectives have factors of their own
+    # other sizes, collectives and element types have factors of their own
     assert c.factors_for("all_reduce", nbytes * 16) == {} and c.factors_for("all_gather", nbytes) == {}
+    assert c.factors_for("all_reduce", nbytes, torch.bfloat16) == {}
     # factors stay in range however far the measurements are
     for _ in range(20):
         observe(predicted * 1e6)
@@ -389,7 +391,7 @@ def test_auto_leaves_a_candidate_that_runs_far_slower_than_predicted(pools, tmp_
     chosen, factors, version = got[0]
     slow = chosen[0]
     assert chosen[-1] != slow, chosen
-    assert version > 0 and any(name == slow and f > 1 for (_, name, _), f in factors.items()), factors
+    assert version > 0 and any(name == slow and f > 1 for (_, name, _, _), f in factors.items()), factors
 
 
 def test_the_fit_grows_past_a_slow_start_up(monkeypatch):
@@ -408,3 +410,24 @@ def test_the_fit_grows_past_a_slow_start_up(monkeypatch):
     latency, bandwidth = links._fit(None, torch.device("cuda"), make, pushed=lambda n: n, long_enough=10e-3)
     assert max(sizes) == 64 << 20  # 1 MiB took 54 ms (> 10 ms), 16 MiB 80 ms, 64 MiB 164 ms (> 2 x 50 ms)
     assert latency == pytest.approx(start_up, rel=1e-3) and bandwidth == pytest.approx(rate, rel=0.05)
+
+
+def test_element_types_learn_apart():
+    """A bf16 call and an fp32 one of the same bytes (and collective) are different kinds: the
+    codecs' speed per byte differs, and the model is calibrated on fp32."""
+    c = feedback.Corrections()
+    nbytes = 256 << 20
+    for _ in range(3):  # fp32 calls run 4x their prediction
+        c.called("all_reduce", "direct/pici", nbytes, 0.01, _Done(0.04), torch.float32)
+        c.learn([c.report()])
+    fp32 = c.factors_for("all_reduce", nbytes, torch.float32)
+    assert fp32["direct/pici"] > feedback.FAR and feedback.UNOBSERVED in fp32
+    assert c.factors_for("all_reduce", nbytes, torch.bfloat16) == {}
+    assert c.last_run("all_reduce", nbytes, torch.float32) == "direct/pici"
+    assert c.last_run("all_reduce", nbytes, torch.bfloat16) is None
+    c.called("all_reduce", "ring/coo", nbytes, 0.01, _Done(0.01), torch.bfloat16)
+    c.learn([c.report()])  # a bf16 kind's warm-up starts from the bf16 share (none), not fp32's
+    c.called("all_reduce", "ring/coo", nbytes, 0.01, _Done(0.01), torch.bfloat16)
+    c.learn([c.report()])
+    assert c.factors_for("all_reduce", nbytes, torch.bfloat16) == {"ring/coo": 1.0, feedback.UNOBSERVED: 1.0}
+    assert "float32" in c.describe() and "bfloat16" not in c.describe()

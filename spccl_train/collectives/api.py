@@ -826,15 +826,15 @@ def _run(
                 None, how, received,
             )  # fmt: skip
         config = dataclasses.replace(config, algorithm="auto")  # (the memo key keeps "hierarchical")
-    factors = corrections.factors_for(collective, nbytes) if corrections is not None else None
+    factors = corrections.factors_for(collective, nbytes, inp.dtype) if corrections is not None else None
 
     def learn(timer: Span, choice: Candidate) -> None:  # the call's time, for the next exchange
         if corrections is not None and not (inp.is_cuda and torch.cuda.is_current_stream_capturing()):
             # (a call captured in a CUDA graph ran nothing: its timer's events belong to the graph)
             uncorrected = choice.predicted_s / factor_of(factors, choice.name)
-            corrections.called(collective, choice.name, nbytes, uncorrected, timer)
+            corrections.called(collective, choice.name, nbytes, uncorrected, timer, inp.dtype)
 
-    prefer = corrections.last_run(collective, nbytes) if corrections is not None else None
+    prefer = corrections.last_run(collective, nbytes, inp.dtype) if corrections is not None else None
     choice, weighed, plan, bound_gather = _decide_and_plan(
         collective, config, key, counts, layout, inp.dtype, topology, r, model, factors, default_group, rounds,
         bounds is not None, prefer,
@@ -1020,7 +1020,7 @@ def _goes_native_unexchanged(
     model = _model(config, transport, topology, request.device).model  # made by the checked call already
     corrections = _corrections(config, transport)
     factors = (
-        corrections.factors_for(collective, layout.numel * element_size(request.dtype))
+        corrections.factors_for(collective, layout.numel * element_size(request.dtype), request.dtype)
         if corrections is not None
         else None
     )
@@ -1055,8 +1055,8 @@ def _native_call(
     event = timer.stop()
     nbytes = layout.numel * x.element_size()
     if corrections is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        corrections.called(collective, "native/dense", nbytes, predicted, timer)
-        predicted *= factor_of(corrections.factors_for(collective, nbytes), "native/dense")
+        corrections.called(collective, "native/dense", nbytes, predicted, timer, x.dtype)
+        predicted *= factor_of(corrections.factors_for(collective, nbytes, x.dtype), "native/dense")
     dense = _dense_ring_bytes(collective, layout.numel, p, x.element_size())
     stats = CollectiveStats(
         collective=collective,

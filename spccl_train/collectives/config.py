@@ -45,7 +45,8 @@ class CollectiveConfig:
     """``"ring"`` (the paper: p-1 steps per phase, formats adapt per step to fill-in),
     ``"direct"`` (reduce-scatter as one all-to-all of compressed chunks, all-gather as one
     exchange of compressed chunks: no fill-in in transit), ``"auto"`` (the cost model picks one of
-    those or the native call; for all-reduces on groups spanning nodes also the hierarchical one),
+    those or the native call; for all-reduces on groups spanning nodes also the hierarchical one;
+    at two ranks it leaves the ring out, which sends the direct algorithm's messages slower),
     or ``"hierarchical"`` (groups spanning nodes: an all-reduce reduce-scatters inside each node,
     all-reduces the node sums across nodes and all-gathers inside each node; an all-gather and a
     reduce-scatter take their two steps; each step a flat call with ``auto``; :mod:`.hierarchical`)."""

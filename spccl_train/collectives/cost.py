@@ -80,7 +80,8 @@ class NativeCost:
     """A tiny all-reduce, seconds."""
     bandwidth: float
     """Bytes one rank pushes per second, counted as a ring's: ``2 (p - 1) / p`` of the tensor per
-    all-reduce, ``(p - 1) / p`` per all-gather or reduce-scatter."""
+    all-reduce. An all-gather or reduce-scatter is priced as half an all-reduce (one ring, half the
+    start-up)."""
 
     def __post_init__(self) -> None:
         _positive(self, "latency_s", allow_zero=True)
@@ -132,8 +133,9 @@ class CostModel:
     launches while the device, just synchronised, waits for them. The native collective is one
     call and does not pay it."""
     native: NativeCost | None = None
-    """The native all-reduce as measured on one group (:mod:`.links`); ``None``, or a call on
-    another group: predicted as a ring over the links."""
+    """The native all-reduce as measured on one group (:mod:`.links`): it prices native calls on
+    groups of its topology (the measured model is the group's own); ``None``, or a call of another
+    topology (a hierarchical step's subgroup): predicted as a ring over the links."""
 
     def __post_init__(self) -> None:
         _positive(self, "reduce")
@@ -254,8 +256,8 @@ class CostModel:
         chunk = numel * element_size(dtype) / p
         native = self.native
         if native is not None and native.topology == topology:
-            pushed = (p - 1) * chunk * (2 if collective == "all_reduce" else 1)
-            return total + native.latency_s + pushed / native.bandwidth
+            phases = 2 if collective == "all_reduce" else 1  # a ring all-reduce is two rings
+            return total + (native.latency_s + (p - 1) * chunk * 2 / native.bandwidth) * phases / 2
         link = self.link(topology.ring_crosses_nodes)
         hop = link.latency_s + chunk / link.grouped_bandwidth
         gather = (p - 1) * hop

@@ -14,9 +14,13 @@ the same row of times, takes the slowest (a collective ends with its slowest ran
 every rank reported, applies the same arithmetic to the same numbers. Ranks made the same
 decision for the previous call, so they hold the same kind and prediction for it.
 
-A kind is ``(collective, candidate, size class)``: the candidate as ``"ring/pici"`` or
-``"native/dense"``, the size class the call's bytes to the nearest power of 4, since the
-model's error grows with the transfer length. The first observation of a kind is left out
+A kind is ``(collective, candidate, size class, element type)``: the candidate as
+``"ring/pici"`` or ``"native/dense"``, the size class the call's bytes to the nearest power of 4,
+since the model's error grows with the transfer length, and the element type, since the codecs'
+speed per byte is not the same (bf16 Pici compress runs at 0.52 of copy, fp32 at 0.72) and the
+model is calibrated on fp32 alone: a bf16 call of 256 MiB learning from fp32 ones of 256 MiB
+(4 GPUs as 4 emulated nodes, 2026-11-26) predicted direct/Pici at 150 ms where it ran 45 and
+left it for a ring that ran 64. The first observation of a kind is left out
 (connection setup, allocation and compilation make it slow), as benchmarks leave out warm-up.
 
 A sparse kind not yet observed takes a share of what the observed sparse kinds of its collective
@@ -45,6 +49,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+
+import torch
 
 from .._timing import Span
 
@@ -87,6 +93,10 @@ def factor_of(factors: Mapping[str, float] | None, candidate: str) -> float:
     return 1.0 if candidate in OWN_ONLY else factors.get(UNOBSERVED, 1.0)
 
 
+def _type_name(dtype: torch.dtype | None) -> str:
+    return "" if dtype is None else str(dtype).removeprefix("torch.")
+
+
 def size_class(nbytes: int) -> int:
     """The call's bytes to the nearest power of 4 (as the exponent): 64 MiB, 256 MiB and 1 GiB
     are classes 13, 14 and 15."""
@@ -95,7 +105,7 @@ def size_class(nbytes: int) -> int:
 
 @dataclasses.dataclass(slots=True)
 class _Pending:
-    kind: tuple[str, str, int]
+    kind: tuple[str, str, int, str]
     predicted_s: float
     """The uncorrected prediction (equal on every rank)."""
     timer: Span
@@ -113,42 +123,50 @@ class Corrections:
     __slots__ = ("factors", "last", "seen", "version", "_pending")
 
     def __init__(self) -> None:
-        self.factors: dict[tuple[str, str, int], float] = {}
+        self.factors: dict[tuple[str, str, int, str], float] = {}
         """Factor by kind (absent: 1)."""
-        self.seen: dict[tuple[str, str, int], int] = {}
+        self.seen: dict[tuple[str, str, int, str], int] = {}
         """Observations by kind, the first (left out) included."""
-        self.last: dict[tuple[str, int], str] = {}
-        """The candidate the group ran last, by ``(collective, size class)`` (for ``choice.weigh``'s
-        ``prefer``)."""
+        self.last: dict[tuple[str, int, str], str] = {}
+        """The candidate the group ran last, by ``(collective, size class, element type)`` (for
+        ``choice.weigh``'s ``prefer``)."""
         self.version = 0
         self._pending: _Pending | None = None
 
-    def factors_for(self, collective: str, nbytes: int, size: int | None = None) -> dict[str, float]:
-        """The factors of the candidates of one call, by candidate name, for :func:`factor_of`:
-        each observed kind's own (1 where its predictions held), and under :data:`UNOBSERVED`
-        the geometric mean of the ``n`` observed sparse kinds' to the power ``n / (n + 1)``
-        (absent when none was observed). ``size``: the size class, instead of ``nbytes``'s."""
-        size = size_class(nbytes) if size is None else size
+    def factors_for(self, collective: str, nbytes: int, dtype: torch.dtype | None = None) -> dict[str, float]:
+        """The factors of the candidates of one call of ``dtype`` elements, by candidate name, for
+        :func:`factor_of`: each observed kind's own (1 where its predictions held), and under
+        :data:`UNOBSERVED` the geometric mean of the ``n`` observed sparse kinds' to the power
+        ``n / (n + 1)`` (absent when none was observed)."""
+        size, of = size_class(nbytes), _type_name(dtype)
         own = {
             kind[1]: self.factors.get(kind, 1.0)
             for kind, seen in self.seen.items()
-            if seen > 1 and kind[0] == collective and kind[2] == size
+            if seen > 1 and kind[0] == collective and kind[2] == size and kind[3] == of
         }
-        sparse = [math.log(f) for name, f in own.items() if name not in OWN_ONLY]
-        if sparse:
-            own[UNOBSERVED] = math.exp(sum(sparse) / (len(sparse) + 1))
+        share = self._shared((collective, "", size, of))
+        if share is not None:
+            own[UNOBSERVED] = share
         return own
 
-    def called(self, collective: str, candidate: str, nbytes: int, predicted_s: float, timer: Span) -> None:
+    def called(
+        self,
+        collective: str,
+        candidate: str,
+        nbytes: int,
+        predicted_s: float,
+        timer: Span,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         """Remember this rank's call (its uncorrected prediction and its timer) for the next exchange,
         and that the group ran ``candidate`` (every rank of the group calls this alike)."""
-        size = size_class(nbytes)
-        self._pending = _Pending((collective, candidate, size), predicted_s, timer)
-        self.last[(collective, size)] = candidate
+        size, of = size_class(nbytes), _type_name(dtype)
+        self._pending = _Pending((collective, candidate, size, of), predicted_s, timer)
+        self.last[(collective, size, of)] = candidate
 
-    def last_run(self, collective: str, nbytes: int) -> str | None:
-        """The candidate the group ran last for a call of this collective and size class."""
-        return self.last.get((collective, size_class(nbytes)))
+    def last_run(self, collective: str, nbytes: int, dtype: torch.dtype | None = None) -> str | None:
+        """The candidate the group ran last for a call of this collective, size class and element type."""
+        return self.last.get((collective, size_class(nbytes), _type_name(dtype)))
 
     def report(self) -> int:
         """This rank's entry for the next exchange: its last call's nanoseconds, ``-1`` if none or
@@ -173,7 +191,7 @@ class Corrections:
         kind = pending.kind
         self.seen[kind] = self.seen.get(kind, 0) + 1
         if self.seen[kind] == 1:  # warm-up; learning will start from the share it is weighed with now
-            share = self.factors_for(kind[0], 0, size=kind[2]).get(UNOBSERVED)
+            share = self._shared(kind)
             if share is not None and kind[1] not in OWN_ONLY:
                 self.factors[kind] = share
             return False
@@ -190,10 +208,21 @@ class Corrections:
         self.version += 1
         return True
 
+    def _shared(self, kind: tuple[str, str, int, str]) -> float | None:
+        """The :data:`UNOBSERVED` share of ``kind``'s collective, size class and element type."""
+        collective, _, size, of = kind
+        sparse = [
+            math.log(self.factors.get(k, 1.0))
+            for k, seen in self.seen.items()
+            if seen > 1 and k[0] == collective and k[2] == size and k[3] == of and k[1] not in OWN_ONLY
+        ]
+        return math.exp(sum(sparse) / (len(sparse) + 1)) if sparse else None
+
     def describe(self) -> str:
         """One line: every factor, by kind."""
         if not self.factors:
             return "no corrections"
         return ", ".join(
-            f"{collective} {name} ~4^{size}: x{f:.2f}" for (collective, name, size), f in sorted(self.factors.items())
+            " ".join(w for w in (collective, name, of, f"~4^{size}:") if w) + f" x{f:.2f}"
+            for (collective, name, size, of), f in sorted(self.factors.items())
         )

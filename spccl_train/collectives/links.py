@@ -8,8 +8,9 @@ default) measures, collectively, on every rank of the group:
 
 - **links**: every rank sends to its right neighbour and receives from its left one at once, on
   the ring inside its node (intra) and on the ring across nodes among ranks with the same local
-  rank (inter), each at a small size (latency) and at a size that takes a few milliseconds
-  (bandwidth, grown by 4x from 1 MiB until it does). ``bandwidth = n / (t_big - t_small)``:
+  rank (inter), each at a small size (latency) and at a size that takes a few milliseconds and
+  twice the small one's time (bandwidth, grown by 4x from 1 MiB until it does, or takes a quarter
+  of a second). ``bandwidth = n / (t_big - t_small)``:
   bytes one rank pushes one way while all ranks push, which is how the collectives load the links;
 - **the native all-reduce**: the backend's own collective on the whole group, timed as the
   links are (tiny, then grown until it takes about 10 ms), since NCCL's choice of algorithm,
@@ -61,6 +62,7 @@ _FIRST_LARGE = 1 << 20
 _LARGEST = {"cuda": 256 << 20, "cpu": 16 << 20}
 _LONG_ENOUGH_S = 2e-3  # a large send this long is bandwidth-bound enough to fit the slope
 _NATIVE_LONG_ENOUGH_S = 10e-3  # NCCL's socket all-reduce reaches its pace later than one send
+_LONGEST_S = 0.25  # grown no further once a transfer takes this long: the probe's time stays bounded
 _REPEATS = 3
 
 
@@ -194,7 +196,8 @@ def _fit(
 ) -> tuple[float, float]:
     """``(latency_s, bytes per second)`` of the step ``make(nbytes)`` builds, fitted from a small
     size and one grown by 4x from 1 MiB until it takes ``long_enough`` and twice the small one's
-    time (or reaches the largest size the device type allows); ``pushed(nbytes)``: the
+    time (or a quarter of a second, or reaches the largest size the device type allows);
+    ``pushed(nbytes)``: the
     bytes one rank puts on the wire in it. Every rank gets the slowest rank's figures."""
 
     def seconds(nbytes: int) -> float:
@@ -208,7 +211,7 @@ def _fit(
     # sockets a tiny call takes 10-70 ms and jitters by milliseconds, so a slope fitted on a
     # transfer of that length was noise (4 ranks as 4 emulated nodes on one H200, 2026-11-26: the
     # native all-reduce fitted 4.87 and 0.06 GB/s per rank on two machines, 1.25 and 0.62 run).
-    while (large < long_enough or large < 2 * small) and nbytes * 4 <= largest:
+    while (large < long_enough or large < 2 * small) and large < _LONGEST_S and nbytes * 4 <= largest:
         nbytes *= 4
         large = seconds(nbytes)
     slope = large - small if large > small else large

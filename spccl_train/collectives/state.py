@@ -1,4 +1,4 @@
-"""What the collectives keep between calls, in one place: each process group's state, and the memos.
+"""What the collectives keep between calls: each process group's state, and the memos.
 
 **Per group** (:class:`GroupState`, one per process group object, held weakly: a group kept alive
 here would outlive ``destroy_process_group``, and its backend's threads the interpreter):
@@ -16,6 +16,11 @@ ranks' decisions stay equal without a synchronisation of their own.
 **Memos** (:class:`Memo`): pure functions' results by their inputs (decisions, hierarchical step
 weighings, weighing terms, bounded plans, ...). Forgetting one costs only its recomputation, so
 each forgets everything when full, and :func:`clear_memos` forgets them all (to time the cold path).
+
+Elsewhere, for their own reasons: captured CUDA graphs and the bounds they were captured with
+(:mod:`.graphs`: resources, freed by ``clear_graphs`` before a group is destroyed), and the
+per-process count of probes that orders the codec calibrations of ranks sharing a device
+(:mod:`.links`).
 """
 
 from __future__ import annotations
