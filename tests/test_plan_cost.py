@@ -491,7 +491,7 @@ def test_a_near_tie_keeps_the_candidate_the_group_ran_last():
     assert weigh(summary, cfg, F32, _model(), prefer="native/dense")[0].name == best.name
 
 
-def test_the_group_remembers_what_it_ran_by_collective_and_size():
+def test_the_group_remembers_what_it_ran_by_collective_size_and_config():
     from spccl_train._timing import Span
     from spccl_train.collectives.feedback import Corrections
 
@@ -500,3 +500,9 @@ def test_the_group_remembers_what_it_ran_by_collective_and_size():
     c.called("all_reduce", "ring/pici", 1 << 30, 0.01, Span(torch.device("cpu")))
     assert c.last_run("all_reduce", 1 << 30) == "ring/pici"
     assert c.last_run("all_reduce", 1 << 26) is None and c.last_run("all_gather", 1 << 30) is None
+    # per config: what a fixed config ran is not the preference of auto's calls (and the reverse)
+    c.called("all_reduce", "direct/coo", 1 << 30, 0.01, Span(torch.device("cpu")), torch.float32, "coo direct")
+    c.called("all_reduce", "direct/pici", 1 << 30, 0.01, Span(torch.device("cpu")), torch.float32, "auto auto")
+    c.called("all_reduce", "direct/coo", 1 << 30, 0.01, Span(torch.device("cpu")), torch.float32, "coo direct")
+    assert c.last_run("all_reduce", 1 << 30, torch.float32, "auto auto") == "direct/pici"
+    assert c.last_run("all_reduce", 1 << 30, torch.float32, "coo direct") == "direct/coo"

@@ -832,9 +832,9 @@ def _run(
         if corrections is not None and not (inp.is_cuda and torch.cuda.is_current_stream_capturing()):
             # (a call captured in a CUDA graph ran nothing: its timer's events belong to the graph)
             uncorrected = choice.predicted_s / factor_of(factors, choice.name)
-            corrections.called(collective, choice.name, nbytes, uncorrected, timer, inp.dtype)
+            corrections.called(collective, choice.name, nbytes, uncorrected, timer, inp.dtype, fingerprint)
 
-    prefer = corrections.last_run(collective, nbytes, inp.dtype) if corrections is not None else None
+    prefer = corrections.last_run(collective, nbytes, inp.dtype, fingerprint) if corrections is not None else None
     choice, weighed, plan, bound_gather = _decide_and_plan(
         collective, config, key, counts, layout, inp.dtype, topology, r, model, factors, default_group, rounds,
         bounds is not None, prefer,
@@ -1055,7 +1055,8 @@ def _native_call(
     event = timer.stop()
     nbytes = layout.numel * x.element_size()
     if corrections is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        corrections.called(collective, "native/dense", nbytes, predicted, timer, x.dtype)
+        scope = config.fingerprint() + _nodes(rpn)  # as _run names the config
+        corrections.called(collective, "native/dense", nbytes, predicted, timer, x.dtype, scope)
         predicted *= factor_of(corrections.factors_for(collective, nbytes, x.dtype), "native/dense")
     dense = _dense_ring_bytes(collective, layout.numel, p, x.element_size())
     stats = CollectiveStats(

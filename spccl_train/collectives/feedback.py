@@ -127,9 +127,10 @@ class Corrections:
         """Factor by kind (absent: 1)."""
         self.seen: dict[tuple[str, str, int, str], int] = {}
         """Observations by kind, the first (left out) included."""
-        self.last: dict[tuple[str, int, str], str] = {}
-        """The candidate the group ran last, by ``(collective, size class, element type)`` (for
-        ``choice.weigh``'s ``prefer``)."""
+        self.last: dict[tuple[str, int, str, str], str] = {}
+        """The candidate the group ran last, by ``(collective, size class, element type, scope)``
+        (for ``choice.weigh``'s ``prefer``); the scope names the config that chose it, so that a
+        call of a fixed format and algorithm does not become the preference of ``auto``'s calls."""
         self.version = 0
         self._pending: _Pending | None = None
 
@@ -157,16 +158,19 @@ class Corrections:
         predicted_s: float,
         timer: Span,
         dtype: torch.dtype | None = None,
+        scope: str = "",
     ) -> None:
         """Remember this rank's call (its uncorrected prediction and its timer) for the next exchange,
-        and that the group ran ``candidate`` (every rank of the group calls this alike)."""
+        and that the group ran ``candidate`` under the config ``scope`` names (every rank of the
+        group calls this alike)."""
         size, of = size_class(nbytes), _type_name(dtype)
         self._pending = _Pending((collective, candidate, size, of), predicted_s, timer)
-        self.last[(collective, size, of)] = candidate
+        self.last[(collective, size, of, scope)] = candidate
 
-    def last_run(self, collective: str, nbytes: int, dtype: torch.dtype | None = None) -> str | None:
-        """The candidate the group ran last for a call of this collective, size class and element type."""
-        return self.last.get((collective, size_class(nbytes), _type_name(dtype)))
+    def last_run(self, collective: str, nbytes: int, dtype: torch.dtype | None = None, scope: str = "") -> str | None:
+        """The candidate the group ran last for a call of this collective, size class, element type
+        and config ``scope``."""
+        return self.last.get((collective, size_class(nbytes), _type_name(dtype), scope))
 
     def report(self) -> int:
         """This rank's entry for the next exchange: its last call's nanoseconds, ``-1`` if none or
