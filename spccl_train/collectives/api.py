@@ -782,8 +782,8 @@ def _run(
         if planning_stream is not None:  # the input is ready on the planning stream
             torch.cuda.current_stream(inp.device).wait_stream(planning_stream)
         return _decoded_first(
-            encoded, x, sink, _native_call, collective, transport, config, rpn, layout, x, out.view(-1), corrections,
-            timer,
+            encoded, x, sink, _native_call, collective, transport, config, rpn, fingerprint, layout, x, out.view(-1),
+            corrections, timer,
         )  # fmt: skip
     how, xdev = "", None  # the exchange protocol; none for a call with bounds
     if bounds is not None:  # planned from the caller's bounds: no count, no exchange, no synchronisation
@@ -1040,13 +1040,15 @@ def _native_call(
     transport: P2PTransport,
     config: CollectiveConfig,
     rpn: int | None,
+    fingerprint: str,
     layout: ChunkLayout,
     x: torch.Tensor,
     y: torch.Tensor,
     corrections: Corrections | None,
     timer: Span,
 ) -> tuple[CollectiveStats, torch.cuda.Event | None]:
-    """The native collective with no exchange (:func:`_goes_native_unexchanged`)."""
+    """The native collective with no exchange (:func:`_goes_native_unexchanged`); ``fingerprint``
+    names the config, as :func:`_run` does."""
     p = transport.world
     topology = Topology(p, rpn)
     model = _model(config, transport, topology, x.device).model
@@ -1055,8 +1057,7 @@ def _native_call(
     event = timer.stop()
     nbytes = layout.numel * x.element_size()
     if corrections is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        scope = config.fingerprint() + _nodes(rpn)  # as _run names the config
-        corrections.called(collective, "native/dense", nbytes, predicted, timer, x.dtype, scope)
+        corrections.called(collective, "native/dense", nbytes, predicted, timer, x.dtype, fingerprint)
         predicted *= factor_of(corrections.factors_for(collective, nbytes, x.dtype), "native/dense")
     dense = _dense_ring_bytes(collective, layout.numel, p, x.element_size())
     stats = CollectiveStats(

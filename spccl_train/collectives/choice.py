@@ -209,8 +209,8 @@ measured 10% slower (``bench/bench_bounds.py``, 2026-11-22)."""
 
 STICKY_MARGIN = float(os.environ.get("SPCCL_STICKY_MARGIN", "0.05"))
 """A sparse candidate replaces the sparse one the group ran last for such a call (same collective,
-size class, element type and config) only when predicted more than this fraction faster (``SPCCL_STICKY_MARGIN``
-overrides; 0 turns it off). Near-ties flip with the noise of the counts from call to call, and a
+size class, element type and config) only when predicted more than this fraction faster
+(``SPCCL_STICKY_MARGIN`` overrides; 0 turns it off). Near-ties flip with the noise of the counts from call to call, and a
 switch costs the new plan's first run: 2 ranks as 2 emulated nodes, 256 MiB and 1 GiB at 90%,
 ``auto`` alternated between ring/Pici and direct/Pici every call and ran 1.16-1.17x the better of
 the two. With 0.05, ``auto`` was within 10% of the best fixed candidate at 11 of 12 sweep points

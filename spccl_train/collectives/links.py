@@ -197,8 +197,8 @@ def _fit(
     """``(latency_s, bytes per second)`` of the step ``make(nbytes)`` builds, fitted from a small
     size and one grown by 4x from 1 MiB until it takes ``long_enough`` and twice the small one's
     time (or a quarter of a second, or reaches the largest size the device type allows);
-    ``pushed(nbytes)``: the
-    bytes one rank puts on the wire in it. Every rank gets the slowest rank's figures."""
+    ``pushed(nbytes)``: the bytes one rank puts on the wire in it. Every rank gets the slowest
+    rank's figures."""
 
     def seconds(nbytes: int) -> float:
         step = make(nbytes)
