@@ -18,20 +18,19 @@ constexpr int kTile = kTileRows * kTileRows;  // elements per tile
 constexpr int kThreads = 256;                 // threads per block, one tile at a time
 constexpr unsigned kFullMask = 0xffffffffu;
 
-// Tuning knobs, measured on H200 (bench/results/NOTES.md): predecessors each look-back lane
-// examines per round, and the Pici compressor's minimum resident blocks per SM for 32-bit
-// elements (caps its registers: 5 measured 3-5 points above 6, 4 and the uncapped 44 registers;
-// 16-bit elements and the pruning compressor have their own, in tiles.cuh).
-#ifndef SPCCL_LOOKBACK_PER_LANE
-#define SPCCL_LOOKBACK_PER_LANE 1
-#endif
+// Tuning knob, measured on H200 (bench/results/NOTES.md): the Pici compressor's minimum resident
+// blocks per SM for 32-bit elements (caps its registers: 5 measured 3-5 points above 6, 4 and the
+// uncapped 44 registers; 16-bit elements and the pruning compressor have their own, in tiles.cuh).
 #ifndef SPCCL_COMPRESS_MIN_BLOCKS
 #define SPCCL_COMPRESS_MIN_BLOCKS 5
 #endif
 
-// Look-back status word of a tile: flag in bits 32-33, count or prefix in bits 0-31.
+// Look-back status word of a tile or a group: flag in bits 32-33, count or prefix in bits 0-31.
 constexpr unsigned long long kFlagAggregate = 1ull << 32;  // this tile's own count is known
 constexpr unsigned long long kFlagPrefix = 2ull << 32;     // inclusive prefix is known
+
+// Tiles per look-back group (see look_back): one per lane of the warp that looks back.
+constexpr int kGroup = 32;
 
 inline void check_launch(const char* what) {
   cudaError_t err = cudaGetLastError();
@@ -48,6 +47,25 @@ inline void check_cuda(cudaError_t err, const char* what) {
 }
 
 inline int64_t align16(int64_t bytes) { return (bytes + 15) & ~int64_t(15); }
+
+// A compressor's look-back state, carved from its scratch (compress_scratch_bytes, cleared
+// before the launch): per tile a status word; per group of kGroup tiles the sum of the counts
+// published so far with how many tiles it holds ((tiles << 32) | sum, built by atomic adds), and
+// the inclusive prefix at the group's last tile once known; then the counter tiles are claimed from.
+struct LookBack {
+  unsigned long long* tile;
+  unsigned long long* group_sum;
+  unsigned long long* group_prefix;
+  unsigned int* counter;
+};
+
+inline int64_t look_back_groups(int64_t tiles) { return (tiles + kGroup - 1) / kGroup; }
+
+inline LookBack look_back_state(void* scratch, int64_t tiles) {
+  auto* words = static_cast<unsigned long long*>(scratch);
+  const int64_t groups = look_back_groups(tiles);
+  return {words, words + tiles, words + tiles + groups, reinterpret_cast<unsigned int*>(words + tiles + 2 * groups)};
+}
 
 // Persistent grid size: as many blocks of `kernel` as fit on the device at once.
 template <typename Kernel>
@@ -103,43 +121,71 @@ __device__ __forceinline__ void store_volatile(unsigned long long* p, unsigned l
   *reinterpret_cast<volatile unsigned long long*>(p) = v;
 }
 
-// Decoupled look-back (Merrill & Garland): called by one whole warp for `tile` > 0. Each lane
-// examines SPCCL_LOOKBACK_PER_LANE predecessors per round, waiting for each to publish, and the
-// warp sums aggregates until it meets an inclusive prefix. Returns the exclusive prefix.
-// Measured on H200 (1 GiB fp32): 1 per lane is best; 4, 8, 16 per lane cost 5, 20, 45 points of
-// bandwidth, since every extra status load lands on the few hot L2 lines being published.
+// A tile's count is known: publish it for the look-backs of its successors, in its own status
+// word and in its group's sum. Tile 0's count is its inclusive prefix.
+__device__ __forceinline__ void publish_count(const LookBack& lb, int64_t tile, uint32_t count) {
+  store_volatile(lb.tile + tile, (tile == 0 ? kFlagPrefix : kFlagAggregate) | count);
+  atomicAdd(lb.group_sum + tile / kGroup, (1ull << 32) | count);
+}
+
+// A tile's inclusive prefix is known: publish it, and the group's if the tile ends one.
+__device__ __forceinline__ void publish_prefix(const LookBack& lb, int64_t tile, uint32_t inclusive) {
+  if (tile > 0) store_volatile(lb.tile + tile, kFlagPrefix | inclusive);
+  if (tile % kGroup == kGroup - 1) store_volatile(lb.group_prefix + tile / kGroup, kFlagPrefix | inclusive);
+}
+
+// Decoupled look-back (Merrill & Garland) over two levels: called by one whole warp for
+// `tile` > 0; returns the tile's exclusive prefix.
+//   1. Each lane takes one predecessor within the tile's own group, waiting for it to publish;
+//      the nearest that carries a prefix ends the walk, else the warp sums their counts.
+//   2. Each lane takes one earlier group, 32 groups per round, nearest first, waiting until it
+//      carries a prefix or a sum over all its kGroup tiles; the nearest prefix ends the walk.
+// Why two levels: a persistent grid has every resident block's tile (and the claim behind it)
+// in flight at once, about 1300 tiles on an H200, and none of them has a prefix until its own
+// look-back ends. One level walks back 32 tiles per L2 round trip, so a tile far from the last
+// known prefix spent some 20 round trips and ~600 status loads, all on the few hot L2 lines
+// being published; counting by groups covers 1024 tiles per round.
 // Progress is guaranteed because tiles are claimed in order from an atomic counter by
-// resident blocks, and a block publishes a claimed tile's count before it waits on anything.
-__device__ __forceinline__ uint32_t look_back(unsigned long long* status, int64_t tile, int lane) {
-  constexpr int kPerLane = SPCCL_LOOKBACK_PER_LANE;
-  uint32_t exclusive = 0;
-  int64_t window = tile - 1;  // nearest predecessor not yet examined
-  while (true) {
-    unsigned long long s[kPerLane];
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const int64_t pred = window - kPerLane * lane - j;
-      s[j] = pred >= 0 ? load_volatile(status + pred) : kFlagPrefix;  // before tile 0: prefix 0
+// resident blocks, and a block publishes a claimed tile's count before it waits on anything:
+// every tile below `tile` is claimed, so every group below its own fills up.
+__device__ __forceinline__ uint32_t look_back(const LookBack& lb, int64_t tile, int lane) {
+  const int64_t group = tile / kGroup;
+  const int64_t pred = tile - 1 - lane;
+  const bool mine = pred >= group * kGroup;
+  unsigned long long s = 0;
+  if (mine) {
+    do s = load_volatile(lb.tile + pred);
+    while ((s >> 32) == 0);
+  }
+  const unsigned own_prefix = __ballot_sync(kFullMask, mine && (s & kFlagPrefix));
+  if (own_prefix) {
+    const int first_lane = __ffs(own_prefix) - 1;
+    return warp_sum(lane <= first_lane ? uint32_t(s) : 0u);
+  }
+  uint32_t exclusive = warp_sum(mine ? uint32_t(s) : 0u);
+  for (int64_t window = group - 1;; window -= 32) {
+    const int64_t g = window - lane;
+    bool prefix = g < 0;  // before group 0: prefix 0
+    uint32_t value = 0;
+    while (!prefix) {
+      const unsigned long long p = load_volatile(lb.group_prefix + g);
+      if (p & kFlagPrefix) {
+        prefix = true;
+        value = uint32_t(p);
+        break;
+      }
+      const unsigned long long a = load_volatile(lb.group_sum + g);
+      if ((a >> 32) == kGroup) {
+        value = uint32_t(a);
+        break;
+      }
     }
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      while ((s[j] >> 32) == 0) s[j] = load_volatile(status + window - kPerLane * lane - j);
-    }
-    int first = kPerLane;  // nearest of this lane's predecessors that carries a prefix
-#pragma unroll
-    for (int j = kPerLane - 1; j >= 0; --j)
-      if (s[j] & kFlagPrefix) first = j;
-    uint32_t lane_sum = 0;
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j)
-      if (j <= first) lane_sum += uint32_t(s[j]);
-    const unsigned prefix_lanes = __ballot_sync(kFullMask, first < kPerLane);
+    const unsigned prefix_lanes = __ballot_sync(kFullMask, prefix);
     if (prefix_lanes) {
       const int first_lane = __ffs(prefix_lanes) - 1;
-      return exclusive + warp_sum(lane <= first_lane ? lane_sum : 0u);
+      return exclusive + warp_sum(lane <= first_lane ? value : 0u);
     }
-    exclusive += warp_sum(lane_sum);
-    window -= 32 * kPerLane;
+    exclusive += warp_sum(value);
   }
 }
 
@@ -196,10 +242,9 @@ struct TileRegisters {
 
 // Publish the nonzero count of a claimed tile held in registers, so that successors' look-backs
 // never wait for this block to reach the tile. Whole block; `warp_counts` has kThreads/32 slots.
-// Tile 0 publishes its count as its inclusive prefix.
 template <typename Regs>
-__device__ __forceinline__ void publish_count(const Regs& regs, int64_t tile,
-                                              unsigned long long* status, uint32_t* warp_counts) {
+__device__ __forceinline__ void publish_count(const Regs& regs, int64_t tile, const LookBack& lb,
+                                              uint32_t* warp_counts) {
   const uint32_t count = warp_sum(regs.count_nonzero());
   if ((threadIdx.x & 31) == 0) warp_counts[threadIdx.x >> 5] = count;
   __syncthreads();
@@ -207,7 +252,7 @@ __device__ __forceinline__ void publish_count(const Regs& regs, int64_t tile,
     uint32_t total = 0;
 #pragma unroll
     for (int w = 0; w < kThreads / 32; ++w) total += warp_counts[w];
-    store_volatile(status + tile, (tile == 0 ? kFlagPrefix : kFlagAggregate) | total);
+    publish_count(lb, tile, total);
   }
 }
 
@@ -215,16 +260,14 @@ __device__ __forceinline__ void publish_count(const Regs& regs, int64_t tile,
 // claimed tile to `*sum`; the last of the block's warps to arrive publishes the total and
 // resets both counters for the next tile. Called once per warp, by whole warps.
 template <typename Regs>
-__device__ __forceinline__ void add_count_and_publish(const Regs& regs, int64_t tile,
-                                                      unsigned long long* status, uint32_t* sum,
-                                                      uint32_t* arrived) {
+__device__ __forceinline__ void add_count_and_publish(const Regs& regs, int64_t tile, const LookBack& lb,
+                                                      uint32_t* sum, uint32_t* arrived) {
   const uint32_t count = warp_sum(regs.count_nonzero());
   if ((threadIdx.x & 31) == 0) {
     atomicAdd(sum, count);
     __threadfence_block();
     if (atomicAdd(arrived, 1u) == kThreads / 32 - 1) {
-      const uint32_t total = atomicAdd(sum, 0u);
-      store_volatile(status + tile, kFlagAggregate | total);
+      publish_count(lb, tile, atomicAdd(sum, 0u));
       *sum = 0u;
       *arrived = 0u;
     }

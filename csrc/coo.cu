@@ -12,8 +12,7 @@ namespace {
 template <typename T>
 __global__ void __launch_bounds__(kThreads) coo_compress_kernel(
     const T* __restrict__ src, int64_t n, int64_t tiles, bool aligned, uint8_t* __restrict__ out,
-    int64_t capacity, T* __restrict__ values_scratch, unsigned long long* __restrict__ status,
-    unsigned int* __restrict__ counter, int64_t* __restrict__ nnz_out) {
+    int64_t capacity, T* __restrict__ values_scratch, const LookBack lb, int64_t* __restrict__ nnz_out) {
   using Regs = TileRegisters<T>;
   constexpr int kWarps = kThreads / 32;
   constexpr int kSlots = Regs::kPerThread * kWarps;  // (k, warp) pairs in ascending order
@@ -29,13 +28,13 @@ __global__ void __launch_bounds__(kThreads) coo_compress_kernel(
   uint32_t* positions = reinterpret_cast<uint32_t*>(out);
   const int64_t position_room = capacity / 4;
 
-  if (tid == 0) next_s = atomicAdd(counter, 1u);
+  if (tid == 0) next_s = atomicAdd(lb.counter, 1u);
   __syncthreads();
   int64_t tile = next_s;
   Regs regs;
   if (tile < tiles) {
     regs.load(src, n, tile, aligned);
-    publish_count(regs, tile, status, count_s);
+    publish_count(regs, tile, lb, count_s);
   }
 
   while (tile < tiles) {
@@ -51,7 +50,7 @@ __global__ void __launch_bounds__(kThreads) coo_compress_kernel(
       within[k] = inclusive - count;
       if (lane == 31) slot_s[k * kWarps + warp] = inclusive;
     }
-    if (tid == 0) next_s = atomicAdd(counter, 1u);
+    if (tid == 0) next_s = atomicAdd(lb.counter, 1u);
     __syncthreads();
 
     // Phase 2: warp 0 turns the (k, warp) counts into offsets.
@@ -84,15 +83,15 @@ __global__ void __launch_bounds__(kThreads) coo_compress_kernel(
     const int64_t next = next_s;
     if (next < tiles) {
       regs.load(src, n, next, aligned);
-      publish_count(regs, next, status, count_s);
+      publish_count(regs, next, lb, count_s);
     }
 
     // Phase 4: warp 0 learns the tile's global offset.
     if (warp == 0) {
-      const uint32_t exclusive = tile == 0 ? 0u : look_back(status, tile, lane);
+      const uint32_t exclusive = tile == 0 ? 0u : look_back(lb, tile, lane);
       if (lane == 0) {
         const uint32_t inclusive = exclusive + total_s;
-        if (tile > 0) store_volatile(status + tile, kFlagPrefix | inclusive);
+        publish_prefix(lb, tile, inclusive);
         prefix_s = exclusive;
         if (tile == tiles - 1) *nnz_out = inclusive;
       }
@@ -173,13 +172,11 @@ template <typename T>
 void launch_compress(const T* src, int64_t n, uint8_t* out, int64_t capacity, void* values_scratch,
                      void* scratch, int64_t* nnz, cudaStream_t stream) {
   const int64_t tiles = (n + kTile - 1) / kTile;
-  auto* status = static_cast<unsigned long long*>(scratch);
-  auto* counter = reinterpret_cast<unsigned int*>(status + tiles);
   check_cuda(cudaMemsetAsync(scratch, 0, compress_scratch_bytes(tiles), stream), "cudaMemsetAsync");
   const bool aligned = reinterpret_cast<uintptr_t>(src) % 16 == 0;
   auto kernel = coo_compress_kernel<T>;
   kernel<<<resident_blocks(kernel, tiles), kThreads, 0, stream>>>(
-      src, n, tiles, aligned, out, capacity, static_cast<T*>(values_scratch), status, counter, nnz);
+      src, n, tiles, aligned, out, capacity, static_cast<T*>(values_scratch), look_back_state(scratch, tiles), nnz);
   check_launch("coo_compress_kernel");
   auto place = coo_place_values_kernel<T>;
   place<<<resident_blocks(place, (n * int64_t(sizeof(T)) / 16 + kThreads - 1) / kThreads + 1), kThreads, 0,

@@ -24,8 +24,7 @@ __device__ __forceinline__ void copy_out(const T* stage_s, uint32_t count, int64
 template <typename Tile>
 __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kernel(
     const typename Tile::Source source, int64_t tiles, uint8_t* __restrict__ out, int64_t capacity,
-    int64_t index_offset, int64_t values_offset, unsigned long long* __restrict__ status,
-    unsigned int* __restrict__ counter, int64_t* __restrict__ nnz_out) {
+    int64_t index_offset, int64_t values_offset, const LookBack lb, int64_t* __restrict__ nnz_out) {
   using T = typename Tile::Bits;
   __shared__ __align__(16) T tile_s[kTile];
   __shared__ __align__(16) T stage_s[kTile];
@@ -45,8 +44,8 @@ __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kern
   // Each block holds two claims: the tile it processes and the next one, whose loads are in
   // flight meanwhile. A claimed tile's count is published before the block waits on anything.
   if (tid == 0) {
-    claim_s[0] = atomicAdd(counter, 1u);
-    claim_s[1] = atomicAdd(counter, 1u);
+    claim_s[0] = atomicAdd(lb.counter, 1u);
+    claim_s[1] = atomicAdd(lb.counter, 1u);
     next_count_s = 0;
     arrived_s = 0;
   }
@@ -56,7 +55,7 @@ __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kern
   if (tile < tiles) {
     regs.load(source, tile);
     regs.prepare(source, tile);
-    publish_count(regs, tile, status, count_s);
+    publish_count(regs, tile, lb, count_s);
   }
 
   // Staged values of the previous tile wait in stage_s for their copy-out, done at the start
@@ -105,13 +104,13 @@ __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kern
     if (warp == 0) {
       if (next < tiles) {
         regs.prepare(source, next);
-        add_count_and_publish(regs, next, status, &next_count_s, &arrived_s);
+        add_count_and_publish(regs, next, lb, &next_count_s, &arrived_s);
       }
-      const uint32_t exclusive = tile == 0 ? 0u : look_back(status, tile, lane);
+      const uint32_t exclusive = tile == 0 ? 0u : look_back(lb, tile, lane);
       if (lane == 0) {
-        claim_s[0] = atomicAdd(counter, 1u);
+        claim_s[0] = atomicAdd(lb.counter, 1u);
         const uint32_t inclusive = exclusive + total_s;
-        if (tile > 0) store_volatile(status + tile, kFlagPrefix | inclusive);
+        publish_prefix(lb, tile, inclusive);
         prefix_s = exclusive;
         index[tile] = exclusive;
         if (tile == tiles - 1) {
@@ -137,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kern
     }
     if (warp != 0 && next < tiles) {
       regs.prepare(source, next);
-      add_count_and_publish(regs, next, status, &next_count_s, &arrived_s);
+      add_count_and_publish(regs, next, lb, &next_count_s, &arrived_s);
     }
     __syncthreads();
 
@@ -376,13 +375,11 @@ template <typename Tile>
 void launch_compress(const typename Tile::Source& source, int64_t n, uint8_t* out, int64_t capacity, void* scratch,
                      int64_t* nnz, cudaStream_t stream) {
   const PiciOffsets off(n);
-  auto* status = static_cast<unsigned long long*>(scratch);
-  auto* counter = reinterpret_cast<unsigned int*>(status + off.tiles);
   check_cuda(cudaMemsetAsync(scratch, 0, compress_scratch_bytes(off.tiles), stream), "cudaMemsetAsync");
   auto kernel = pici_compress_kernel<Tile>;
   const int blocks = resident_blocks(kernel, off.tiles);
   kernel<<<blocks, kThreads, 0, stream>>>(source, off.tiles, out, capacity, off.index_offset, off.values_offset,
-                                          status, counter, nnz);
+                                          look_back_state(scratch, off.tiles), nnz);
   check_launch("pici_compress_kernel");
 }
 
@@ -446,7 +443,7 @@ void launch_sparse_decode(const uint8_t* payload, int64_t capacity, int64_t n, v
 
 }  // namespace
 
-int64_t compress_scratch_bytes(int64_t tiles) { return 8 * tiles + 8; }
+int64_t compress_scratch_bytes(int64_t tiles) { return 8 * (tiles + 2 * look_back_groups(tiles)) + 8; }
 
 void pici_compress(const void* src, int elem_bytes, int64_t n, uint8_t* out, int64_t capacity,
                    void* scratch, int64_t* nnz, cudaStream_t stream) {
