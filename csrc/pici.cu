@@ -13,12 +13,29 @@ namespace spccl {
 namespace {
 
 // Coalesced copy of `count` compacted values to A[base...]; nothing is written past capacity.
+// Two values per store (a 4- or 8-byte word) from the first aligned one on: bf16 at 50% sparsity
+// 0.73 -> 0.79 of copy on H100 (one store per value, each checked against the capacity, had
+// been a sixth of the kernel's instructions).
 template <typename T>
 __device__ __forceinline__ void copy_out(const T* stage_s, uint32_t count, int64_t base, T* values,
                                          int64_t value_room) {
-  for (uint32_t i = threadIdx.x; i < count; i += kThreads) {
-    if (base + i < value_room) values[base + i] = stage_s[i];
+  using Word = typename std::conditional<sizeof(T) == 2, uint32_t, unsigned long long>::type;
+  const int64_t room = value_room - base;
+  const uint32_t limit = room <= 0 ? 0u : (room < int64_t(count) ? uint32_t(room) : count);
+  T* to = values + base;
+  const uint32_t head = (reinterpret_cast<uintptr_t>(to) % sizeof(Word)) ? 1u : 0u;
+  if (limit <= head) {
+    if (threadIdx.x == 0 && limit) to[0] = stage_s[0];
+    return;
   }
+  const uint32_t words = (limit - head) / 2;
+  Word* out = reinterpret_cast<Word*>(to + head);
+  for (uint32_t i = threadIdx.x; i < words; i += kThreads) {
+    const Word lo = stage_s[head + 2 * i], hi = stage_s[head + 2 * i + 1];
+    out[i] = lo | (hi << (8 * sizeof(T)));
+  }
+  if (threadIdx.x == 0 && head) to[0] = stage_s[0];
+  if (threadIdx.x == kThreads - 1 && (limit - head) % 2) to[limit - 1] = stage_s[limit - 1];
 }
 
 template <typename Tile>
@@ -194,6 +211,18 @@ constexpr int64_t kSparsePercent = SPCCL_SPARSE_PERCENT;
 
 __device__ __forceinline__ bool sparse_payload(int64_t nnz, int64_t n) { return 100 * nnz <= kSparsePercent * n; }
 
+// Overwrite decodes a tile of 16-bit elements with at most this many nonzeros by zeroing it with
+// 16-byte stores and then storing the marked elements; denser tiles, and 32-bit ones, gather every
+// element. Measured on H100 (1 GiB, fraction of copy, gather -> zero and store, bf16 / fp32):
+// 99.9% 0.77 -> 0.87 / 0.88 -> 0.89, 99% 0.76 -> 0.83 / 0.86 -> 0.85, 97% 0.76 -> 0.81 / 0.85 ->
+// 0.82, 95% 0.75 -> 0.64 / 0.85 -> 0.81, 80% 0.74 -> 0.35 / 0.86 -> 0.47: in the bit walk each
+// marked element's load and store wait in turn, and 32-bit tiles gain little from wider zeros.
+#ifndef SPCCL_SCATTER_MAX_16
+#define SPCCL_SCATTER_MAX_16 128
+#endif
+template <typename D>
+constexpr uint32_t kScatterMax = sizeof(D) == 2 ? SPCCL_SCATTER_MAX_16 : 0u;
+
 // Decompression, one block per tile. Every warp reads the tile's 64 words and index step (L1
 // broadcasts; the next tile's are prefetched into registers), and each warp writes 8 rows: lane l
 // owns columns 2l and 2l+1, holds their words and offsets in registers, and stores each row as one
@@ -282,10 +311,32 @@ __global__ void __launch_bounds__(kThreads, kAccumulate ? 4 : 6) pici_decompress
         if ((w.x >> r) & 1ull) out[r * kTileRows] = from_float<D>(to_float(row[i].e[0]) + to_float(col0[__popcll(w.x & below)]));
         if ((w.y >> r) & 1ull) out[r * kTileRows + 1] = from_float<D>(to_float(row[i].e[1]) + to_float(col1[__popcll(w.y & below)]));
       }
+    } else if (total <= kScatterMax<D>) {
+      // A sparse tile (or an empty one): zero the warp's rows with 16-byte stores, then store its
+      // marked elements, each lane walking the set bits of its two columns' words.
+      const unsigned long long above = (1ull << (warp * kRows)) - 1ull;
+      const V* at0 = col0 + __popcll(w.x & above);
+      const V* at1 = col1 + __popcll(w.y & above);
+      D* rows = dst + base + warp * kRows * kTileRows;
+      if (aligned && n - base >= kTile) {
+        constexpr int kVectors = kRows * kTileRows * int(sizeof(D)) / 16;
+#pragma unroll
+        for (int v = lane; v < kVectors; v += 32) reinterpret_cast<uint4*>(rows)[v] = make_uint4(0u, 0u, 0u, 0u);
+      } else {
+        for (int i = lane; i < kRows * kTileRows; i += 32)
+          if (base + warp * kRows * kTileRows + i < n) rows[i] = D(0);
+      }
+      __syncwarp();  // the zeros land before the lanes' marked elements
+      uint32_t k = 0;
+      for (uint32_t m = uint32_t(w.x >> (warp * kRows)) & 0xffu; m; m &= m - 1)
+        out[(warp * kRows + __ffs(m) - 1) * kTileRows] = at0[k++];
+      k = 0;
+      for (uint32_t m = uint32_t(w.y >> (warp * kRows)) & 0xffu; m; m &= m - 1)
+        out[(warp * kRows + __ffs(m) - 1) * kTileRows + 1] = at1[k++];
     } else {
-      // Each column's values from the warp's first row on, one more per marked row (a running
-      // offset: +5-8 points for 16-bit elements over a popcount per row, but -10 to -20 points
-      // in accumulation, which keeps the popcount).
+      // A dense tile: each column's values from the warp's first row on, one more per marked row
+      // (a running offset: +5-8 points for 16-bit elements over a popcount per row, but -10 to
+      // -20 points in accumulation, which keeps the popcount); a coalesced pair per row and lane.
       const unsigned long long above = (1ull << (warp * kRows)) - 1ull;
       const V* at0 = col0 + __popcll(w.x & above);
       const V* at1 = col1 + __popcll(w.y & above);
