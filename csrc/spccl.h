@@ -19,7 +19,8 @@ constexpr int kBadNnz = 4;        // nnz > n, or the values do not fit in the pa
 constexpr int kPastEnd = 8;       // a nonzero marked at a position >= n
 constexpr int kNotAscending = 16; // COO positions not strictly ascending
 
-// Bytes of scratch the compressors need for `tiles` tiles (look-back status + tile counter).
+// Bytes of scratch the compressors need for `tiles` tiles (look-back state: per-tile status,
+// per-group sums and prefixes, the tile counter; common.cuh LookBack).
 int64_t compress_scratch_bytes(int64_t tiles);
 
 // Pici-encode src[0, n) (elem_bytes 4 or 2) into out[0, capacity). Writes nnz to *nnz.
