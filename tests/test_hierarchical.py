@@ -281,6 +281,6 @@ def test_flat_algorithms_on_simulated_nodes(pools, world, rpn):
     ],
 )
 def test_a_groups_nodes_come_from_its_members_global_ranks(members, launch, expected):
-    from spccl_train.collectives.api import group_ranks_per_node
+    from spccl_train.collectives.context import group_ranks_per_node
 
     assert group_ranks_per_node(list(members), launch) == expected

@@ -130,7 +130,7 @@ def test_codec_calibration_is_cached_per_device_and_version(tmp_path, monkeypatc
 
 
 def _job_ranks_per_node_from_env(rank, world):
-    from spccl_train.collectives.api import _ranks_per_node
+    from spccl_train.collectives.context import ranks_per_node
 
     transport = P2PTransport()
     found = []
@@ -138,8 +138,8 @@ def _job_ranks_per_node_from_env(rank, world):
         saved = {k: os.environ.pop(k, None) for k in ("SPCCL_RANKS_PER_NODE", "LOCAL_WORLD_SIZE")}
         os.environ.update(env)
         try:
-            found.append(_ranks_per_node(CollectiveConfig(), transport))
-            found.append(_ranks_per_node(CollectiveConfig(ranks_per_node=4), transport))
+            found.append(ranks_per_node(CollectiveConfig(), transport))
+            found.append(ranks_per_node(CollectiveConfig(ranks_per_node=4), transport))
         finally:
             for k, v in saved.items():
                 os.environ.pop(k, None)
@@ -149,7 +149,7 @@ def _job_ranks_per_node_from_env(rank, world):
     if rank < 2:
         os.environ["SPCCL_RANKS_PER_NODE"] = "1"
         # a subgroup: its own nodes, from its members' global ranks (one rank per node here)
-        found.append(_ranks_per_node(CollectiveConfig(), P2PTransport(sub)))
+        found.append(ranks_per_node(CollectiveConfig(), P2PTransport(sub)))
         del os.environ["SPCCL_RANKS_PER_NODE"]
     return found
 

@@ -5,30 +5,30 @@ their ``torch.distributed`` namesakes plus a :class:`CollectiveConfig`; ``all_ga
 ``reduce_scatter_single`` (torch 2.13's new names) are the same two functions. Layers inside:
 :mod:`.chunking` (how tensors are cut), :mod:`.exchange` (the one planning exchange),
 :mod:`.plan` (format and size of every message), :mod:`.cost` (the model behind ``auto``),
-:mod:`.topology` (nodes), :mod:`.graphs` (CUDA-graph replay of calls planned from bounds), and
-the ring and direct executors. Design:
+:mod:`.topology` (nodes), :mod:`.context` (what a call on a group runs with: transport, nodes,
+cost model), :mod:`.stats` (what a call reports), :mod:`.graphs` (CUDA-graph replay of calls
+planned from bounds), :mod:`.hierarchical` (the two-level algorithm) and the ring and direct
+executors. Design:
 ``docs/ARCHITECTURE.md``.
 """
 
 from .api import (
-    CollectiveStats,
-    CollectiveWork,
     all_gather_into_tensor,
     all_gather_single,
     all_reduce,
     last_stats,
-    learned_corrections,
-    measure_links,
     reduce_scatter_single,
     reduce_scatter_tensor,
 )
 from .choice import Candidate, choose
 from .chunking import ChunkLayout, Span
 from .config import CollectiveConfig
+from .context import learned_corrections, measure_links
 from .cost import CodecCost, CostModel, LinkCost
 from .encoded import EncodedPieces
 from .graphs import cached_graphs, clear_graphs, clearing_graphs
 from .plan import Message, Messages, Phase, Plan, Route, Step, plan_all_gather, plan_reduce_scatter
+from .stats import CollectiveStats, CollectiveWork
 from .thresholds import DEFAULT_THRESHOLDS, ResolvedThresholds, Thresholds
 from .topology import Topology
 

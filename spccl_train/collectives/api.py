@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 import threading
 from collections.abc import Callable, Hashable, Sequence
 
@@ -31,6 +30,7 @@ from ._wire import StatusSink
 from .choice import NATIVE_MARGIN, Candidate, decide, plan_candidate
 from .chunking import ChunkLayout, count_nonzero_pieces
 from .config import CollectiveConfig
+from .context import corrections_of, model_of, nodes_code, ranks_per_node, transport_of
 from .cost import CostModel
 from .encoded import EncodedPieces
 from .exchange import (
@@ -50,16 +50,10 @@ from .exchange import (
 from .executors import Execution, execute, gather_plan, native_collective
 from .feedback import Corrections, factor_of
 from .graphs import graph_key, remember_bounds, remembered_bounds, run_graphed
-from .hierarchical import (
-    check_hierarchy,
-    hierarchical_all_gather,
-    hierarchical_all_reduce,
-    hierarchical_reduce_scatter,
-    subgroups,
-)
-from .links import Measured, measured_model
+from .hierarchical import check_hierarchy
 from .plan import Plan
-from .state import Memo, group_state, state_of
+from .state import Memo, state_of
+from .stats import CollectiveStats, CollectiveWork, add_statuses, dense_ring_bytes
 from .topology import Topology
 
 __all__ = [
@@ -68,117 +62,11 @@ __all__ = [
     "all_gather_single",
     "reduce_scatter_single",
     "all_reduce",
-    "CollectiveWork",
-    "CollectiveStats",
     "last_stats",
-    "measure_links",
-    "learned_corrections",
 ]
 
 _log = logging.getLogger(__name__)
 _local = threading.local()
-
-
-@dataclasses.dataclass(slots=True)
-class CollectiveStats:
-    """What one call did: the plan it ran, what the cost model predicted, and what it sent."""
-
-    collective: str
-    """``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``."""
-    algorithm: str
-    """``"ring"``, ``"direct"``, ``"native"`` (the dense torch.distributed call), ``"hierarchical"``
-    (three flat calls on node subgroups, summed here: ``plan`` is ``None``) or ``"local"`` (world size 1)."""
-    format: Format
-    """The format the plan allowed (``DENSE`` for native and dense plans)."""
-    plan: Plan | None
-    """The plan that ran (``None`` for native and local calls)."""
-    predicted_s: float
-    """The cost model's prediction for the chosen candidate, exchanges included (made for the
-    call's sparsity profile as :func:`~.choice.decide` rounds it)."""
-    candidates: dict[str, float]
-    """Every candidate the cost model weighed (``"ring/pici"``, ``"native/dense"``, ...) and its prediction."""
-    exchanges: int
-    """Planning exchanges (host synchronisations) the call made."""
-    gather_counts: str
-    """All-reduce: how its gather phase was sized, ``"bound"`` (from the first exchange) or
-    ``"measured"`` (a second exchange); ``""`` for other collectives and native calls."""
-    bytes_sent: int
-    """Bytes this rank put on the wire."""
-    dense_bytes: int
-    """Bytes this rank would have sent with a dense ring."""
-    graph: str
-    """``CollectiveConfig.cuda_graphs``: ``"captured"`` (this call was captured, then replayed),
-    ``"replayed"`` (it replayed an earlier capture), or ``""`` (it ran eagerly)."""
-    _statuses: torch.Tensor | None
-    _timer: Span
-    steps: tuple[CollectiveStats, ...] = ()
-    """A hierarchical call's steps, in order (the all-reduce: inside the node, across nodes, inside
-    the node); empty for flat calls. The step across nodes says what crossed the network."""
-    exchange: str = ""
-    """How the call's counts were exchanged: ``"table"`` or ``"scalable"`` (:func:`.exchange.protocol`);
-    ``""`` when nothing was (a call with bounds, a local call)."""
-    exchange_bytes: int = 0
-    """Bytes this rank received in the call's count exchanges (a hierarchical call: its steps' too)."""
-
-    @property
-    def decode_status(self) -> torch.Tensor | None:
-        """OR of every decoder status on this rank, a one-element int32 tensor on the device (0: all
-        payloads were intact); ``None`` for local calls. Folded when read, off the hot path."""
-        return None if self._statuses is None else StatusSink.fold(self._statuses)
-
-    @property
-    def decode_failed(self) -> torch.Tensor | None:
-        """Whether any decoder of this rank reported a bad payload: a 0-dim bool tensor on the
-        device, made without a synchronisation (two small kernels); ``None`` for local calls."""
-        return None if self._statuses is None else (self._statuses != 0).any()
-
-    @property
-    def elapsed_s(self) -> float:
-        """Measured seconds from the call to the end of its work (on CUDA this waits for the work)."""
-        return self._timer.seconds()
-
-
-class CollectiveWork:
-    """The handle an ``async_op=True`` call returns, like ``torch.distributed.Work``.
-
-    On CPU the work is complete when the call returns. On CUDA every kernel and transfer is
-    enqueued when the call returns (after the planning synchronisation): :meth:`wait` makes the
-    current stream wait for them without blocking the host, and the future follows torch's
-    CUDA-aware future semantics.
-    """
-
-    __slots__ = ("_tensors", "_stats", "_event", "_future")
-
-    def __init__(self, tensors: list[torch.Tensor], stats: CollectiveStats, event: torch.cuda.Event | None) -> None:
-        self._tensors = tensors
-        self._stats = stats
-        self._event = event
-        devices = [t.device for t in tensors if t.device.type == "cuda"]
-        self._future: torch.futures.Future = torch.futures.Future(devices=devices or None)
-        self._future.set_result(tensors)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Order the current stream after the collective (on CPU it is done already); return True."""
-        if self._event is not None:
-            torch.cuda.current_stream(self._tensors[0].device).wait_event(self._event)
-        return True
-
-    def is_completed(self) -> bool:
-        """True once the device finished the work."""
-        return True if self._event is None else self._event.query()
-
-    def get_future(self) -> torch.futures.Future:
-        """A future whose value is ``[output tensor]``, complete when the collective is."""
-        return self._future
-
-    def result(self) -> list[torch.Tensor]:
-        """The output tensor, in a list (as ``torch.distributed.Work.result``)."""
-        return self._tensors
-
-    @property
-    def stats(self) -> CollectiveStats:
-        """What the call did (plan, prediction, bytes)."""
-        return self._stats
 
 
 def last_stats() -> CollectiveStats | None:
@@ -365,8 +253,8 @@ def _call(
     elif not isinstance(config, CollectiveConfig):
         raise TypeError(f"config must be a CollectiveConfig or None, got {type(config).__name__}")
     config.validate()
-    transport = _transport(group)
-    planner = transport if planning_group is None else _transport(planning_group)
+    transport = transport_of(group)
+    planner = transport if planning_group is None else transport_of(planning_group)
     if (planner.world, planner.rank) != (transport.world, transport.rank):
         raise ValueError(
             f"planning_group has {planner.world} ranks with this one as rank {planner.rank}, but group has "
@@ -377,7 +265,7 @@ def _call(
     if planning_stream is not None and not input.is_cuda:
         planning_stream = None  # CPU work is ordered by the host
     if config.algorithm == "hierarchical":
-        _check_hierarchical(transport, config, bounds)
+        hierarchical.check_request(transport, config, bounds)
     with torch.no_grad():
         graphed = _graphable(config, input, output, transport)
         decoded = None  # statuses of decoding ``encoded`` into the input up front
@@ -392,7 +280,7 @@ def _call(
         exchanged = (
             graphed and bounds is None and not (collective == "all_reduce" and config.gather_counts == "measured")
         )
-        fingerprint = config.fingerprint() + _nodes(_ranks_per_node(config, transport)) if graphed else ""
+        fingerprint = config.fingerprint() + nodes_code(ranks_per_node(config, transport)) if graphed else ""
         if exchanged:  # plan from the exchanged counts, rounded up so that calls repeat and replay
             bounds = _measured_bounds(
                 collective, transport, config, fingerprint, input, output, planner, planning_stream, graph_tag, encoded,
@@ -414,9 +302,17 @@ def _call(
                 collective, transport, config, input, output, planner, planning_stream, bounds, encoded, misfit
             )
         if decoded is not None:
-            _add_statuses(stats, decoded)
+            add_statuses(stats, decoded)
     _local.stats = stats
     return CollectiveWork([output], stats, event) if async_op else None
+
+
+def _step(
+    collective: str, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, config: CollectiveConfig
+) -> CollectiveStats:
+    """One flat step of a hierarchical call (:func:`.hierarchical.run`), run synchronously: its stats."""
+    _call(collective, output, input, group, False, config)
+    return _local.stats
 
 
 def _misfit(
@@ -462,126 +358,8 @@ def _decoded_first(
         return call(*args)
     encoded.decode_into(x, sink=sink)
     stats, event = call(*args)
-    _add_statuses(stats, sink)
+    add_statuses(stats, sink)
     return stats, event
-
-
-def _add_statuses(stats: CollectiveStats, sink: StatusSink) -> None:
-    """Add the decoder statuses of ``sink`` to a call's stats."""
-    extra = sink.collect()
-    stats._statuses = extra if stats._statuses is None else torch.cat([extra, stats._statuses])
-
-
-def _check_hierarchical(
-    transport: P2PTransport, config: CollectiveConfig, bounds: Sequence[Sequence[int]] | None
-) -> None:
-    """``algorithm="hierarchical"``'s own argument errors, from what every rank shares (the config
-    and the group), so every rank raises alike before any exchange. (Unequal nodes are found after
-    the exchange, which compares every rank's ``ranks_per_node``.)"""
-    if bounds is not None:
-        raise ValueError(
-            "bounds= is not supported with algorithm='hierarchical' (its steps plan from their own counts); "
-            "drop the bounds or use algorithm='auto'"
-        )
-    if not hierarchical.is_world(transport.group) and transport.world > 1:
-        raise ValueError(
-            "algorithm='hierarchical' runs on the default group only (its node subgroups are made from it); "
-            "call it with group=None, or use algorithm='auto' on this group"
-        )
-
-
-def _hierarchical_steps(
-    collective: str,
-    transport: P2PTransport,
-    config: CollectiveConfig,
-    ranks_per_node: int,
-    inp: torch.Tensor,
-    out: torch.Tensor,
-) -> list[CollectiveStats]:
-    """Run a hierarchical call's flat steps on the node subgroups (:mod:`.hierarchical`); their stats."""
-    intra, inter = subgroups(transport, ranks_per_node)
-
-    def call(coll: str, o: torch.Tensor, i: torch.Tensor, grp, cfg: CollectiveConfig) -> CollectiveStats:
-        _call(coll, o, i, grp, False, cfg)
-        return _local.stats
-
-    if collective == "all_reduce":
-        return hierarchical_all_reduce(inp, intra, inter, config, ranks_per_node, call)
-    if collective == "all_gather":
-        return hierarchical_all_gather(out, inp, intra, inter, config, ranks_per_node, call)
-    return hierarchical_reduce_scatter(out, inp, intra, inter, config, ranks_per_node, call)
-
-
-def _hierarchical_call(
-    collective: str,
-    transport: P2PTransport,
-    config: CollectiveConfig,
-    topology: Topology,
-    inp: torch.Tensor,
-    out: torch.Tensor,
-    timer: Span,
-    flat_s: float,
-    chosen: tuple[float, dict[str, float]] | None,
-    how: str,
-    received: int,
-    learn: Callable[[Span], None] | None = None,
-) -> tuple[CollectiveStats, torch.cuda.Event | None]:
-    """Run the hierarchical steps after the flat exchange; their stats, summed. ``chosen``: what
-    ``auto`` predicted (and weighed) when it chose it; ``None`` when it was asked for (the steps'
-    predictions plus ``flat_s``, the flat exchange's). ``learn(timer)`` runs once the call is timed."""
-    parts = _hierarchical_steps(collective, transport, config, topology.ranks_per_node, inp, out)
-    event = timer.stop()
-    if learn is not None:
-        learn(timer)
-    if chosen is None:
-        predicted = sum(part.predicted_s for part in parts) + flat_s
-        chosen = (predicted, {"hierarchical": predicted})
-    chunk = (out.numel() if collective == "all_gather" else inp.numel()) // transport.world  # the layout's
-    stats = _hierarchical_stats(collective, transport, chunk, inp.element_size(), parts, timer, *chosen, how, received)
-    return stats, event
-
-
-def _dense_ring_bytes(collective: str, numel: int, world: int, element_size: int) -> int:
-    """Bytes one rank sends in a dense ring of ``numel`` elements (the chunked tensor): ``world - 1``
-    chunks per phase, two phases for an all-reduce; the baseline of ``CollectiveStats.dense_bytes``."""
-    return (world - 1) * (numel // world) * element_size * (2 if collective == "all_reduce" else 1)
-
-
-def _hierarchical_stats(
-    collective: str,
-    transport: P2PTransport,
-    chunk: int,
-    element_size: int,
-    parts: list[CollectiveStats],
-    timer: Span,
-    predicted: float,
-    candidates: dict[str, float],
-    how: str,
-    received: int,
-) -> CollectiveStats:
-    """One call's stats from its steps' (after the flat exchange, by protocol ``how``, which
-    delivered ``received`` bytes: one more). ``chunk``: elements per rank's chunk, for the dense
-    ring's bytes."""
-    p = transport.world
-    statuses = [part._statuses for part in parts if part._statuses is not None]
-    return CollectiveStats(
-        collective=collective,
-        algorithm="hierarchical",
-        format=parts[0 if collective == "all_gather" else 1].format,  # the step that crosses the network
-        plan=None,
-        predicted_s=predicted,
-        candidates=candidates,
-        exchanges=1 + sum(part.exchanges for part in parts),
-        gather_counts="",
-        bytes_sent=sum(part.bytes_sent for part in parts),
-        dense_bytes=_dense_ring_bytes(collective, p * chunk, p, element_size),
-        graph="",
-        _statuses=torch.cat(statuses) if statuses else None,
-        _timer=timer,
-        steps=tuple(parts),
-        exchange=how,
-        exchange_bytes=received + sum(part.exchange_bytes for part in parts),
-    )
 
 
 def _graphable(config: CollectiveConfig, inp: torch.Tensor, out: torch.Tensor, transport: P2PTransport) -> bool:
@@ -596,108 +374,6 @@ def _graphable(config: CollectiveConfig, inp: torch.Tensor, out: torch.Tensor, t
         and transport.world > 1
         and inp.numel() > 0
     )
-
-
-def _transport(group: dist.ProcessGroup | None) -> P2PTransport:
-    """The group's transport, made once per group object (:func:`~.state.group_state`)."""
-    return group_state(group).transport
-
-
-def _nodes(ranks_per_node: int | None) -> str:
-    """The nodes as this rank resolves them (from the environment when the config leaves them
-    open), for the config code the planning exchange compares: ranks that disagree raise alike."""
-    return f"|nodes of {ranks_per_node}"
-
-
-def _ranks_per_node(config: CollectiveConfig, transport: P2PTransport) -> int | None:
-    """``config.ranks_per_node``, else what the launch says (emulated nodes'
-    ``SPCCL_RANKS_PER_NODE``, or torchrun's ``LOCAL_WORLD_SIZE``: global ranks
-    ``[k * L, (k + 1) * L)`` share node ``k``), read for this group's members; else one node."""
-    if config.ranks_per_node is not None:
-        return config.ranks_per_node
-    for name in ("SPCCL_RANKS_PER_NODE", "LOCAL_WORLD_SIZE"):
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) >= 1:
-            launch = int(value)
-            known = state_of(transport).nodes
-            if launch not in known:  # an O(world) pass over the members, once per group and figure
-                known[launch] = group_ranks_per_node(transport.global_ranks, launch)
-            return known[launch]
-    return None
-
-
-def group_ranks_per_node(global_ranks: Sequence[int], launch_ranks_per_node: int) -> int | None:
-    """A group's ranks per node, from its members' global ranks (in group order) on nodes of
-    ``launch_ranks_per_node`` consecutive global ranks: the size of its per-node blocks when the
-    members of each node are consecutive in the group and every block but the last is equally
-    large (a data-parallel group beside tensor parallelism: ``[0, 4, 8, 12]`` on nodes of 8 gives
-    2); ``None`` (one node) when all share one node; 1 (every hop across nodes, the cautious
-    reading) when they span nodes in blocks that consecutive ranks per node cannot describe."""
-    nodes = [g // launch_ranks_per_node for g in global_ranks]
-    runs: list[int] = []
-    for i, node in enumerate(nodes):
-        if i and node == nodes[i - 1]:
-            runs[-1] += 1
-        else:
-            runs.append(1)
-    if len(runs) < 2:
-        return None  # one node
-    size = runs[0]
-    together = len(runs) == len(set(nodes))  # each node's members consecutive in the group
-    return size if together and all(run == size for run in runs[:-1]) and runs[-1] <= size else 1
-
-
-def _model(config: CollectiveConfig, transport: P2PTransport, topology: Topology, device: torch.device) -> Measured:
-    """The cost model of this call, with the tag that names it in memoised decisions (and, for
-    the measured model, the probe's figures)."""
-    if isinstance(config.cost_model, CostModel):
-        return Measured(model=config.cost_model, tag="given", links=None)
-    if config.cost_model == "measured" and transport.world > 1:
-        return measured_model(transport, topology, transport.exchange_device(device))
-    found = _default_models.get(device.type)
-    if found is None:
-        model = CostModel.default(device)
-        found = _default_models.put(device.type, Measured(model=model, tag=f"default:{device.type}", links=None))
-    return found
-
-
-_default_models = Memo("default models", 16)
-
-
-def _corrections(config: CollectiveConfig, transport: P2PTransport) -> Corrections | None:
-    """The group's :class:`~.feedback.Corrections` when its model is the measured one, else ``None``."""
-    if config.cost_model != "measured" or transport.world < 2:
-        return None
-    return state_of(transport).corrections
-
-
-def learned_corrections(group: dist.ProcessGroup | None = None) -> Corrections:
-    """What the collectives of ``group`` learned from their observed times (:mod:`.feedback`):
-    the factors their measured model's predictions are multiplied by, by kind of call."""
-    return _corrections(CollectiveConfig(cost_model="measured"), _transport(group)) or Corrections()
-
-
-def measure_links(
-    group: dist.ProcessGroup | None = None,
-    config: CollectiveConfig | None = None,
-    device: torch.device | None = None,
-) -> Measured:
-    """The cost model the collectives of ``group`` use under ``config`` (default: measured), and
-    the probe's figures: link bandwidth and latency per hop kind, the exchange latency, the codecs.
-
-    Collective: every rank of the group calls it (the first call per group probes; the
-    collectives reuse what it measured). ``device`` is the device the collectives will run on
-    (default: the current CUDA device under NCCL, else the CPU). For a model that is not
-    measured (``config.cost_model`` a :class:`CostModel` or ``"default"``), no probe runs and
-    the result names that model with no link figures.
-    """
-    config = config or CollectiveConfig()
-    transport = _transport(group)
-    if device is None:
-        device = (
-            torch.device("cuda", torch.cuda.current_device()) if transport.backend == "nccl" else torch.device("cpu")
-        )
-    return _model(config, transport, Topology(transport.world, _ranks_per_node(config, transport)), device)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -767,8 +443,8 @@ def _run(
     found in them, which the request carries to every rank."""
     p, r = transport.world, transport.rank
     timer = Span(inp.device)
-    rpn = _ranks_per_node(config, transport)  # once: the exchange checks what the topology uses
-    nodes = _nodes(rpn)
+    rpn = ranks_per_node(config, transport)  # once: the exchange checks what the topology uses
+    nodes = nodes_code(rpn)
     fingerprint = config.fingerprint() + nodes
     request, problems, aliased, layout = _request(collective, transport, config, fingerprint, inp, out, misfit)
     if p == 1:
@@ -776,7 +452,7 @@ def _run(
 
     # 1. counts: every rank ends this stage holding the same counts (or summaries)
     x = inp.view(-1) if not problems else inp
-    corrections = _corrections(config, transport)
+    corrections = corrections_of(config, transport)
     sink = StatusSink(inp.device)
     if bounds is None and _goes_native_unexchanged(collective, config, request, layout, transport, rpn):
         if planning_stream is not None:  # the input is ready on the planning stream
@@ -810,7 +486,7 @@ def _run(
     received = exchange_bytes(how, collective, p, config.channels, how == "scalable" and whole) if how else 0
 
     # 2. the decision and this rank's plan (the same on every rank: pure functions of the counts)
-    measured = _model(config, transport, topology, inp.device)
+    measured = model_of(config, transport, topology, inp.device)
     default_group = hierarchical.is_world(transport.group)
     model, key = measured.model, f"{fingerprint}|{measured.tag}|{'default group' if default_group else 'subgroup'}"
     if bounds is not None and _graphable(config, inp, out, transport):  # replayed: no host cost per launch
@@ -822,7 +498,7 @@ def _run(
             # the flat exchange before the steps
             flat = model.planning(collective, layout.numel, inp.dtype, p) + (rounds - 1) * model.exchange_s
             return _decoded_first(
-                encoded, x, sink, _hierarchical_call, collective, transport, config, topology, inp, out, timer, flat,
+                encoded, x, sink, hierarchical.run, _step, collective, transport, config, topology, inp, out, timer, flat,
                 None, how, received,
             )  # fmt: skip
         config = dataclasses.replace(config, algorithm="auto")  # (the memo key keeps "hierarchical")
@@ -842,7 +518,7 @@ def _run(
     if choice.algorithm == "hierarchical":  # auto chose it: the steps exchange and plan on the node subgroups
         chosen = (choice.predicted_s, weighed)
         return _decoded_first(
-            encoded, x, sink, _hierarchical_call, collective, transport, config, topology, inp, out, timer, 0.0,
+            encoded, x, sink, hierarchical.run, _step, collective, transport, config, topology, inp, out, timer, 0.0,
             chosen, how, received, functools.partial(learn, choice=choice),
         )  # fmt: skip
 
@@ -856,7 +532,7 @@ def _run(
     sent, dense = (
         (plan.bytes_sent(r), plan.dense_bytes(r))
         if plan is not None
-        else (_dense_ring_bytes(collective, layout.numel, p, inp.element_size()),) * 2
+        else (dense_ring_bytes(collective, layout.numel, p, inp.element_size()),) * 2
     )
     event = timer.stop()
     learn(timer, choice)
@@ -1017,8 +693,8 @@ def _goes_native_unexchanged(
         return True
     topology = Topology(transport.world, rpn)
     rounds = exchange_rounds(protocol(transport.world), collective)
-    model = _model(config, transport, topology, request.device).model  # made by the checked call already
-    corrections = _corrections(config, transport)
+    model = model_of(config, transport, topology, request.device).model  # made by the checked call already
+    corrections = corrections_of(config, transport)
     factors = (
         corrections.factors_for(collective, layout.numel * element_size(request.dtype), request.dtype)
         if corrections is not None
@@ -1051,7 +727,7 @@ def _native_call(
     names the config, as :func:`_run` does."""
     p = transport.world
     topology = Topology(p, rpn)
-    model = _model(config, transport, topology, x.device).model
+    model = model_of(config, transport, topology, x.device).model
     predicted = model.predict_native(collective, layout.numel, x.dtype, topology, exchanges=0)
     native_collective(collective, transport, x, y)
     event = timer.stop()
@@ -1059,7 +735,7 @@ def _native_call(
     if corrections is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         corrections.called(collective, "native/dense", nbytes, predicted, timer, x.dtype, fingerprint)
         predicted *= factor_of(corrections.factors_for(collective, nbytes, x.dtype), "native/dense")
-    dense = _dense_ring_bytes(collective, layout.numel, p, x.element_size())
+    dense = dense_ring_bytes(collective, layout.numel, p, x.element_size())
     stats = CollectiveStats(
         collective=collective,
         algorithm="native",
@@ -1190,7 +866,7 @@ def _measured_bounds(
         Topology(transport.world, None),
         planner,
         planning_stream,
-        _corrections(config, transport),
+        corrections_of(config, transport),
         protocol(transport.world),
         whole_table=True,  # every rank derives every rank's bounds
         encoded=encoded,

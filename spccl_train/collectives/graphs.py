@@ -139,7 +139,7 @@ def run_graphed(
 ) -> tuple:
     """``run()``'s ``(stats, event)``, eagerly, captured or replayed as the key's history says.
 
-    ``stats`` must be a :class:`~.api.CollectiveStats` (fields ``graph``, ``_statuses``, ``_timer``);
+    ``stats`` must be a :class:`~.stats.CollectiveStats` (fields ``graph``, ``_statuses``, ``_timer``);
     ``run`` checks the arguments (an eager call raises on bad ones before anything is recorded).
     ``extra``: one more tensor the call reads, whose address a replay must match too.
     """

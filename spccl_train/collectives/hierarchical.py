@@ -32,7 +32,9 @@ planned from counts on a group of several nodes of several ranks (:func:`predict
 ``CollectiveConfig(algorithm="hierarchical")`` asks for it outright, for all three collectives.
 Either way the call first makes the flat call's count exchange, which checks every rank's
 arguments against the others' (a bad call raises on every rank before any step), and then its
-steps' own. On one node, or with one rank per node, it is the flat call.
+steps' own (:func:`run`, given the API's entry point to call each step with;
+:func:`check_request` holds the argument errors every rank finds before the exchange). On one
+node, or with one rank per node, it is the flat call.
 
 Not yet: groups other than the default one (making subgroups of a subgroup needs every rank of
 the default group, which a call on a subgroup cannot ask for), caller bounds, CUDA graphs (a
@@ -45,28 +47,33 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from .._timing import Span
+from ..transport import P2PTransport
 from .chunking import ChunkLayout
 from .config import CollectiveConfig
 from .cost import CostModel
 from .exchange import exchange_rounds, protocol
 from .state import Memo, state_of
+from .stats import CollectiveStats, dense_ring_bytes
 from .summary import CountSummary
 from .topology import Topology
 
 __all__ = [
     "applies",
     "check_hierarchy",
+    "check_request",
     "hierarchical_all_gather",
     "hierarchical_all_reduce",
     "hierarchical_reduce_scatter",
     "is_world",
     "predict",
+    "run",
     "subgroups",
 ]
 
@@ -262,3 +269,108 @@ def _within(config: CollectiveConfig) -> CollectiveConfig:
 def _across(config: CollectiveConfig) -> CollectiveConfig:
     """A step among one rank per node: every hop inter-node."""
     return dataclasses.replace(config, algorithm="auto", ranks_per_node=1, cuda_graphs=False)
+
+
+def check_request(transport: P2PTransport, config: CollectiveConfig, bounds: Sequence[Sequence[int]] | None) -> None:
+    """``algorithm="hierarchical"``'s own argument errors, from what every rank shares (the config
+    and the group), so every rank raises alike before any exchange. (Unequal nodes are found after
+    the exchange, which compares every rank's ``ranks_per_node``.)"""
+    if bounds is not None:
+        raise ValueError(
+            "bounds= is not supported with algorithm='hierarchical' (its steps plan from their own counts); "
+            "drop the bounds or use algorithm='auto'"
+        )
+    if not is_world(transport.group) and transport.world > 1:
+        raise ValueError(
+            "algorithm='hierarchical' runs on the default group only (its node subgroups are made from it); "
+            "call it with group=None, or use algorithm='auto' on this group"
+        )
+
+
+def _run_steps(
+    collective: str,
+    transport: P2PTransport,
+    config: CollectiveConfig,
+    ranks_per_node: int,
+    inp: torch.Tensor,
+    out: torch.Tensor,
+    call: Callable[..., CollectiveStats],
+) -> list[CollectiveStats]:
+    """Run a hierarchical call's flat steps on the node subgroups; their stats. ``call`` as for
+    :func:`hierarchical_all_reduce`."""
+    intra, inter = subgroups(transport, ranks_per_node)
+    if collective == "all_reduce":
+        return hierarchical_all_reduce(inp, intra, inter, config, ranks_per_node, call)
+    if collective == "all_gather":
+        return hierarchical_all_gather(out, inp, intra, inter, config, ranks_per_node, call)
+    return hierarchical_reduce_scatter(out, inp, intra, inter, config, ranks_per_node, call)
+
+
+def run(
+    call: Callable[..., CollectiveStats],
+    collective: str,
+    transport: P2PTransport,
+    config: CollectiveConfig,
+    topology: Topology,
+    inp: torch.Tensor,
+    out: torch.Tensor,
+    timer: Span,
+    flat_s: float,
+    chosen: tuple[float, dict[str, float]] | None,
+    how: str,
+    received: int,
+    learn: Callable[[Span], None] | None = None,
+) -> tuple[CollectiveStats, torch.cuda.Event | None]:
+    """Run a hierarchical call's steps after its flat exchange (by protocol ``how``, which
+    delivered ``received`` bytes); their stats, summed. ``call(collective, output, input, group,
+    config)`` runs one flat step synchronously and returns its stats (the API's own entry point).
+    ``chosen``: what ``auto`` predicted (and weighed) when it chose it; ``None`` when it was asked
+    for (the steps' predictions plus ``flat_s``, the flat exchange's). ``learn(timer)`` runs once
+    the call is timed."""
+    parts = _run_steps(collective, transport, config, topology.ranks_per_node, inp, out, call)
+    event = timer.stop()
+    if learn is not None:
+        learn(timer)
+    if chosen is None:
+        predicted = sum(part.predicted_s for part in parts) + flat_s
+        chosen = (predicted, {"hierarchical": predicted})
+    chunk = (out.numel() if collective == "all_gather" else inp.numel()) // transport.world  # the layout's
+    stats = _summed(collective, transport, chunk, inp.element_size(), parts, timer, *chosen, how, received)
+    return stats, event
+
+
+def _summed(
+    collective: str,
+    transport: P2PTransport,
+    chunk: int,
+    element_size: int,
+    parts: list[CollectiveStats],
+    timer: Span,
+    predicted: float,
+    candidates: dict[str, float],
+    how: str,
+    received: int,
+) -> CollectiveStats:
+    """One call's stats from its steps' (after the flat exchange, by protocol ``how``, which
+    delivered ``received`` bytes: one more). ``chunk``: elements per rank's chunk, for the dense
+    ring's bytes."""
+    p = transport.world
+    statuses = [part._statuses for part in parts if part._statuses is not None]
+    return CollectiveStats(
+        collective=collective,
+        algorithm="hierarchical",
+        format=parts[0 if collective == "all_gather" else 1].format,  # the step that crosses the network
+        plan=None,
+        predicted_s=predicted,
+        candidates=candidates,
+        exchanges=1 + sum(part.exchanges for part in parts),
+        gather_counts="",
+        bytes_sent=sum(part.bytes_sent for part in parts),
+        dense_bytes=dense_ring_bytes(collective, p * chunk, p, element_size),
+        graph="",
+        _statuses=torch.cat(statuses) if statuses else None,
+        _timer=timer,
+        steps=tuple(parts),
+        exchange=how,
+        exchange_bytes=received + sum(part.exchange_bytes for part in parts),
+    )

@@ -4,7 +4,7 @@
 here would outlive ``destroy_process_group``, and its backend's threads the interpreter):
 
 - its :class:`~spccl_train.transport.P2PTransport` (rank and peers are fixed);
-- its ranks per node as the launch describes them (:func:`~.api.group_ranks_per_node`);
+- its ranks per node as the launch describes them (:func:`~.context.group_ranks_per_node`);
 - its measured cost models (:mod:`.links`, probed on its first call) and the corrections learned
   from its calls' times (:mod:`.feedback`), equal on every rank of the group;
 - the call shapes an exchange has checked on every rank (``check_calls="first"``);
