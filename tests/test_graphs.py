@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -204,3 +205,34 @@ def test_clearing_graphs_waits_only_after_a_clean_exit(fake_cuda, monkeypatch):
             if not ok:
                 raise KeyError("a failed step")
         assert graphs.cached_graphs() == 0 and waits == ([None] if ok else [])
+
+
+def test_bounds_from_counts_hold_while_the_counts_fit_and_stay_tight():
+    graphs.clear_graphs()
+    rng = torch.Generator().manual_seed(torch.seed())
+    counts = torch.randint(0, 5000, (4, 6), generator=rng).tolist()
+    limits = [[6000] * 6] * 4
+    name = ("all_reduce", "group", None, 24_000, 24_000, torch.float32, "cfg")
+    first = graphs.bounds_from_counts(name, counts, limits)
+    for row, bound in zip(counts, first):
+        for c, b in zip(row, bound):  # above the count by the headroom and four deviations, within the piece
+            assert b == min(6000, math.ceil(c * graphs.BOUND_HEADROOM + 4 * math.sqrt(c)) + 16)
+    # counts that still fit (none loose): the same bounds, so the same graph key
+    assert graphs.bounds_from_counts(name, [[max(0, c - 1) for c in row] for row in counts], limits) is first
+    # a count above its bound: new bounds
+    grown = [row[:] for row in counts]
+    grown[2][3] = first[2][3] + 1
+    assert graphs.bounds_from_counts(name, grown, limits) != first
+    # loose bounds (counts fell below half): new, tighter ones
+    fallen = [[0] * 6 for _ in range(4)]
+    tight = graphs.bounds_from_counts(name, fallen, limits)
+    assert all(b == 16 for row in tight for b in row)
+    graphs.clear_graphs()
+    assert graphs.bounds_from_counts(name, fallen, limits) is not tight  # forgotten with the graphs
+
+
+def test_bounds_from_counts_cap_at_the_pieces_a_row_may_hold():
+    graphs.clear_graphs()
+    table = [[10_000, 3, 0], [7, 10_000, 0]]
+    limits = [[100], [100, 5_000]]  # an all-gather: row q holds only its own pieces
+    assert graphs.bounds_from_counts(("all_gather",), table, limits) == [[100, 0, 0], [35, 5_000, 0]]

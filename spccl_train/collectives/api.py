@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import threading
 from collections.abc import Callable, Hashable, Sequence
 
@@ -49,7 +48,7 @@ from .exchange import (
 )
 from .executors import Execution, execute, gather_plan, native_collective
 from .feedback import Corrections, factor_of
-from .graphs import graph_key, remember_bounds, remembered_bounds, run_graphed
+from .graphs import bounds_from_counts, graph_key, run_graphed
 from .hierarchical import check_hierarchy
 from .plan import Plan
 from .state import Memo, state_of
@@ -832,12 +831,6 @@ def _exchange(
     return shared, xdev
 
 
-BOUND_HEADROOM = 1.0625
-"""``cuda_graphs`` calls without ``bounds``: each piece's bound is its exchanged count ``c`` times
-this, plus ``4 sqrt(c) + 16`` (four standard deviations of a count of independent nonzeros), so
-that the next calls' counts, which vary, still fit and replay the graph."""
-
-
 def _measured_bounds(
     collective: str,
     transport: P2PTransport,
@@ -851,11 +844,9 @@ def _measured_bounds(
     encoded: EncodedPieces | None = None,
     misfit: Problem = Problem.NONE,
 ) -> list[list[int]]:
-    """Bounds for a graphed call from its exchanged counts: the previous bounds of this call (same
-    collective, group, tag, sizes, dtype and config) while every count fits and none is loose
-    (over twice its count plus 64), else new ones above the counts (``BOUND_HEADROOM``). Every rank
-    exchanged the same table and made the same calls, so all derive the same bounds and graph key.
-    ``fingerprint``: ``config.fingerprint()``."""
+    """Bounds for a graphed call from its exchanged counts (:func:`.graphs.bounds_from_counts`, under
+    the name of this call: collective, group, tag, sizes, dtype and config). ``fingerprint``:
+    ``config.fingerprint()``."""
     request, problems, _, layout = _request(collective, transport, config, fingerprint, inp, out, misfit)
     x = inp.view(-1) if not problems else inp
     exchanged, _ = _exchange(
@@ -878,16 +869,7 @@ def _measured_bounds(
         [piece.numel for piece in layout.pieces[q]] if collective == "all_gather" else sizes for q in range(len(table))
     ]
     name = (collective, transport, tag, inp.numel(), out.numel(), inp.dtype, fingerprint)
-    last = remembered_bounds(name)
-    if last is not None and all(c <= b <= 2 * c + 64 for row, bound in zip(table, last) for c, b in zip(row, bound)):
-        return last
-    bounds = [
-        [min(n, math.ceil(c * BOUND_HEADROOM + 4 * math.sqrt(c)) + 16) for c, n in zip(row, lim)]
-        + [0] * (len(row) - len(lim))
-        for row, lim in zip(table, limits)
-    ]
-    remember_bounds(name, bounds)
-    return bounds
+    return bounds_from_counts(name, table, limits)
 
 
 _bounded_configs = Memo("bounded configs", 64)

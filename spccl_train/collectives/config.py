@@ -85,7 +85,7 @@ class CollectiveConfig:
     ``graph_tag``) as a captured CUDA graph and replay it from then on (:mod:`.graphs`), so a call
     costs ~0.1 ms of host time instead of the eager path's ~1.3 ms of Python. Calls with
     ``bounds=`` make no host synchronisation at all. Calls without them still exchange counts (one
-    synchronisation), then plan from bounds derived from the counts (``api.BOUND_HEADROOM``: about
+    synchronisation), then plan from bounds derived from the counts (``graphs.BOUND_HEADROOM``: about
     6% and four standard deviations above them, kept while later counts fit), so that calls of similar sparsity replay one graph; an all-reduce
     with ``gather_counts="measured"`` runs eagerly. A replayed call must pass the tensors and
     stream it was captured with (else it raises): give calls on different tensors different

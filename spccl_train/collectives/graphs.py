@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
@@ -42,7 +43,16 @@ import torch
 
 from .._timing import Span
 
-__all__ = ["graph_key", "run_graphed", "clear_graphs", "clearing_graphs", "cached_graphs", "MAX_GRAPHS"]
+__all__ = [
+    "BOUND_HEADROOM",
+    "MAX_GRAPHS",
+    "bounds_from_counts",
+    "cached_graphs",
+    "clear_graphs",
+    "clearing_graphs",
+    "graph_key",
+    "run_graphed",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -105,18 +115,34 @@ def graph_key(
     return (collective, group_key, tag, inp.numel(), out.numel(), inp.dtype, fingerprint, table)
 
 
-def remembered_bounds(name: tuple) -> list[list[int]] | None:
-    """The bounds last kept under ``name`` by :func:`remember_bounds` (until :func:`clear_graphs`)."""
-    return _bounds.get(name)
+BOUND_HEADROOM = 1.0625
+"""``cuda_graphs`` calls without ``bounds``: each piece's bound is its exchanged count ``c`` times
+this, plus ``4 sqrt(c) + 16`` (four standard deviations of a count of independent nonzeros), so
+that the next calls' counts, which vary, still fit and replay the graph."""
 
 
-def remember_bounds(name: tuple, bounds: list[list[int]]) -> None:
-    """Keep the bounds a graphed call without ``bounds=`` derived from its counts, so that its next
-    calls can reuse them (and their graph). ``name`` must be rank-uniform, as graph keys are."""
+def bounds_from_counts(name: tuple, table: list[list[int]], limits: list[list[int]]) -> list[list[int]]:
+    """Bounds for a graphed call without ``bounds=``, from its exchanged count ``table`` (a row per
+    rank, a column per piece): the bounds last derived under ``name`` while every count fits and
+    none is loose (over twice its count plus 64), else new ones above the counts
+    (:data:`BOUND_HEADROOM`), each at most its piece's size (``limits``: per row, the sizes of the
+    pieces it may hold; the rest bound 0). Kept under ``name`` until :func:`clear_graphs`, so that
+    the next calls reuse them, and their graph. Every rank exchanged the same table and passes the
+    same rank-uniform ``name``, so all derive the same bounds."""
+    with _lock:
+        last = _bounds.get(name)
+    if last is not None and all(c <= b <= 2 * c + 64 for row, bound in zip(table, last) for c, b in zip(row, bound)):
+        return last
+    bounds = [
+        [min(n, math.ceil(c * BOUND_HEADROOM + 4 * math.sqrt(c)) + 16) for c, n in zip(row, lim)]
+        + [0] * (len(row) - len(lim))
+        for row, lim in zip(table, limits)
+    ]
     with _lock:
         if len(_bounds) >= _MAX_SEEN:
             _bounds.clear()
         _bounds[name] = bounds
+    return bounds
 
 
 def _local(inp: torch.Tensor, out: torch.Tensor, extra: torch.Tensor | None) -> _Local:
