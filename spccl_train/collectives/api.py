@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import logging
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from .chunking import ChunkLayout, count_nonzero_pieces
 from .config import CollectiveConfig
 from .context import corrections_of, model_of, nodes_code, ranks_per_node, transport_of
 from .cost import CostModel
-from .encoded import EncodedPieces
+from .encoded import EncodedPieces, decoded_first, take_encoded
 from .exchange import (
     Counts,
     Problem,
@@ -267,15 +267,9 @@ def _call(
         hierarchical.check_request(transport, config, bounds)
     with torch.no_grad():
         graphed = _graphable(config, input, output, transport)
-        decoded = None  # statuses of decoding ``encoded`` into the input up front
-        misfit = Problem.NONE  # reported by the exchange, so that every rank raises
-        if encoded is not None:
-            if _misfit(encoded, collective, input, transport, config):
-                misfit, encoded = Problem.ENCODED, None
-            elif not _may_send_encoded(config, transport):
-                decoded = StatusSink(input.device)
-                _decode_up_front(encoded, input, decoded, planning_stream)
-                encoded = None
+        # ``misfit``: reported by the exchange, so that every rank raises; ``decoded``: the statuses
+        # of decoding ``encoded`` into the input up front, for a call that will not send it
+        encoded, misfit, decoded = take_encoded(encoded, collective, input, config, transport, planning_stream)
         exchanged = (
             graphed and bounds is None and not (collective == "all_reduce" and config.gather_counts == "measured")
         )
@@ -312,53 +306,6 @@ def _step(
     """One flat step of a hierarchical call (:func:`.hierarchical.run`), run synchronously: its stats."""
     _call(collective, output, input, group, False, config)
     return _local.stats
-
-
-def _misfit(
-    encoded: object, collective: str, tensor: torch.Tensor, transport: P2PTransport, config: CollectiveConfig
-) -> bool:
-    """Whether ``encoded`` is not this call's input encoded (then the exchange reports
-    :attr:`~.exchange.Problem.ENCODED` on every rank; this rank also logs what differs). A wrong type
-    raises ``TypeError`` at once."""
-    if not isinstance(encoded, EncodedPieces):
-        raise TypeError(f"encoded must be an EncodedPieces or None, got {type(encoded).__name__}")
-    reason = encoded.mismatch(tensor, ChunkLayout.of(collective, tensor.numel(), transport.world, config.channels))
-    if reason is not None:
-        _log.error("spccl_train.all_reduce on rank %d: %s", transport.rank, reason)
-    return reason is not None
-
-
-def _decode_up_front(
-    encoded: EncodedPieces, x: torch.Tensor, sink: StatusSink, planning_stream: torch.cuda.Stream | None
-) -> None:
-    """Decode ``encoded`` into ``x`` for a call that reads its input as it is: on ``planning_stream``
-    when given (where the payloads are ready and the counting reads ``x``), then the current stream
-    waits for it (a call planned from bounds reads ``x`` there)."""
-    if planning_stream is None:
-        encoded.decode_into(x, sink=sink)
-        return
-    with torch.cuda.stream(planning_stream):
-        encoded.decode_into(x, sink=sink)
-    torch.cuda.current_stream(x.device).wait_stream(planning_stream)
-
-
-def _may_send_encoded(config: CollectiveConfig, transport: P2PTransport) -> bool:
-    """Whether a call of ``config`` may run the direct algorithm with Pici payloads (else encoded
-    input is decoded up front)."""
-    return transport.world > 1 and config.algorithm in ("auto", "direct") and config.format in ("auto", "pici")
-
-
-def _decoded_first(
-    encoded: EncodedPieces | None, x: torch.Tensor, sink: StatusSink, call: Callable[..., tuple], *args
-) -> tuple[CollectiveStats, torch.cuda.Event | None]:
-    """``call(*args)`` (a path that reads the input as it is), ``encoded`` decoded into ``x`` first
-    and its decoders' statuses added to the call's stats."""
-    if encoded is None:
-        return call(*args)
-    encoded.decode_into(x, sink=sink)
-    stats, event = call(*args)
-    add_statuses(stats, sink)
-    return stats, event
 
 
 def _graphable(config: CollectiveConfig, inp: torch.Tensor, out: torch.Tensor, transport: P2PTransport) -> bool:
@@ -456,7 +403,7 @@ def _run(
     if bounds is None and _goes_native_unexchanged(collective, config, request, layout, transport, rpn):
         if planning_stream is not None:  # the input is ready on the planning stream
             torch.cuda.current_stream(inp.device).wait_stream(planning_stream)
-        return _decoded_first(
+        return decoded_first(
             encoded, x, sink, _native_call, collective, transport, config, rpn, fingerprint, layout, x, out.view(-1),
             corrections, timer,
         )  # fmt: skip
@@ -496,7 +443,7 @@ def _run(
         if hierarchical.applies(topology) and layout.numel > 0:
             # the flat exchange before the steps
             flat = model.planning(collective, layout.numel, inp.dtype, p) + (rounds - 1) * model.exchange_s
-            return _decoded_first(
+            return decoded_first(
                 encoded, x, sink, hierarchical.run, _step, collective, transport, config, topology, inp, out, timer, flat,
                 None, how, received,
             )  # fmt: skip
@@ -516,7 +463,7 @@ def _run(
     )  # fmt: skip
     if choice.algorithm == "hierarchical":  # auto chose it: the steps exchange and plan on the node subgroups
         chosen = (choice.predicted_s, weighed)
-        return _decoded_first(
+        return decoded_first(
             encoded, x, sink, hierarchical.run, _step, collective, transport, config, topology, inp, out, timer, 0.0,
             chosen, how, received, functools.partial(learn, choice=choice),
         )  # fmt: skip

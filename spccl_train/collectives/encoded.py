@@ -22,20 +22,33 @@ Each payload has room for its piece at any density (:func:`~spccl_train.formats.
 together about 3% more bytes than the data, kept by whoever reuses them (a DDP bucket keeps one).
 An asynchronous all-reduce reads the payloads on its stream after it returns: rewrite them only
 once its work is done (``work.wait()``, or stream order behind it).
+
+How a call takes them (:func:`take_encoded`): payloads that are not its input's raise on every
+rank through the exchange; a call that cannot send Pici as it is (another algorithm or format, a
+group of one) decodes them into the tensor up front; the native and hierarchical paths decode
+them first (:func:`decoded_first`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Callable
 
 import torch
 
 from ..formats import Format, capacity_bytes, decompress_into
 from ..formats.layout import align16
+from ..transport import P2PTransport
 from ._wire import StatusSink
 from .chunking import ChunkLayout, Span
+from .config import CollectiveConfig
+from .exchange import Problem
+from .stats import CollectiveStats, add_statuses
 
-__all__ = ["EncodedPieces"]
+__all__ = ["EncodedPieces", "decoded_first", "take_encoded"]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -122,3 +135,67 @@ class EncodedPieces:
                 "encode with the call's ChunkLayout.of('all_reduce', numel, world, config.channels)"
             )
         return None
+
+
+def take_encoded(
+    encoded: object,
+    collective: str,
+    tensor: torch.Tensor,
+    config: CollectiveConfig,
+    transport: P2PTransport,
+    planning_stream: torch.cuda.Stream | None,
+) -> tuple[EncodedPieces | None, Problem, StatusSink | None]:
+    """What a call does with the ``encoded=`` it was given: ``(encoded to send, problem, statuses)``.
+
+    - Not this call's input encoded: nothing to send, and :attr:`~.exchange.Problem.ENCODED`,
+      which the exchange reports on every rank (this rank also logs what differs). A wrong type
+      raises ``TypeError`` at once.
+    - A call that cannot send Pici payloads as they are (:func:`_may_send`): decoded into
+      ``tensor`` up front, its decoders' statuses returned, nothing to send.
+    - Else: the payloads, to send.
+    """
+    if encoded is None:
+        return None, Problem.NONE, None
+    if not isinstance(encoded, EncodedPieces):
+        raise TypeError(f"encoded must be an EncodedPieces or None, got {type(encoded).__name__}")
+    reason = encoded.mismatch(tensor, ChunkLayout.of(collective, tensor.numel(), transport.world, config.channels))
+    if reason is not None:
+        _log.error("spccl_train.all_reduce on rank %d: %s", transport.rank, reason)
+        return None, Problem.ENCODED, None
+    if _may_send(config, transport):
+        return encoded, Problem.NONE, None
+    decoded = StatusSink(tensor.device)
+    _decode_up_front(encoded, tensor, decoded, planning_stream)
+    return None, Problem.NONE, decoded
+
+
+def _may_send(config: CollectiveConfig, transport: P2PTransport) -> bool:
+    """Whether a call of ``config`` may run the direct algorithm with Pici payloads."""
+    return transport.world > 1 and config.algorithm in ("auto", "direct") and config.format in ("auto", "pici")
+
+
+def _decode_up_front(
+    encoded: EncodedPieces, x: torch.Tensor, sink: StatusSink, planning_stream: torch.cuda.Stream | None
+) -> None:
+    """Decode ``encoded`` into ``x`` for a call that reads its input as it is: on ``planning_stream``
+    when given (where the payloads are ready and the counting reads ``x``), then the current stream
+    waits for it (a call planned from bounds reads ``x`` there)."""
+    if planning_stream is None:
+        encoded.decode_into(x, sink=sink)
+        return
+    with torch.cuda.stream(planning_stream):
+        encoded.decode_into(x, sink=sink)
+    torch.cuda.current_stream(x.device).wait_stream(planning_stream)
+
+
+def decoded_first(
+    encoded: EncodedPieces | None, x: torch.Tensor, sink: StatusSink, call: Callable[..., tuple], *args
+) -> tuple[CollectiveStats, torch.cuda.Event | None]:
+    """``call(*args)`` (a path that reads the input as it is: native, hierarchical), ``encoded``
+    decoded into ``x`` first and its decoders' statuses added to the call's stats."""
+    if encoded is None:
+        return call(*args)
+    encoded.decode_into(x, sink=sink)
+    stats, event = call(*args)
+    add_statuses(stats, sink)
+    return stats, event
