@@ -8,6 +8,7 @@
 #                                                 # the shipped SpCCL config, then dense, 100 iterations each
 #   bash bench/device_session.sh gpus             # one rank per GPU: all-reduce sweep as emulated nodes (n x 1, and
 #                                                 # on 4+ GPUs 2 x n/2 with the hierarchical all-reduce), then NVLink
+# A/B of codec builds (the working tree against packed commits, one machine): bench/ab_codecs.sh.
 # TRAIN (default "spccl dense") picks the training runs; MODEL (default GPT-2 large, the largest GPT-2 of
 # which two ranks fit one 80 GB GPU) overrides the model of the GPT-2 XL configs.
 # Stages run in order; a failing stage is reported and the next one still runs; the exit status is
