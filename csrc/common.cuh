@@ -123,7 +123,7 @@ __device__ __forceinline__ void store_volatile(unsigned long long* p, unsigned l
 
 // A tile's count is known: publish it for the look-backs of its successors, in its own status
 // word and in its group's sum. Tile 0's count is its inclusive prefix.
-__device__ __forceinline__ void publish_count(const LookBack& lb, int64_t tile, uint32_t count) {
+__device__ __forceinline__ void publish_tile_count(const LookBack& lb, int64_t tile, uint32_t count) {
   store_volatile(lb.tile + tile, (tile == 0 ? kFlagPrefix : kFlagAggregate) | count);
   atomicAdd(lb.group_sum + tile / kGroup, (1ull << 32) | count);
 }
@@ -145,9 +145,13 @@ __device__ __forceinline__ void publish_prefix(const LookBack& lb, int64_t tile,
 // look-back ends. One level walks back 32 tiles per L2 round trip, so a tile far from the last
 // known prefix spent some 20 round trips and ~600 status loads, all on the few hot L2 lines
 // being published; counting by groups covers 1024 tiles per round.
-// Progress is guaranteed because tiles are claimed in order from an atomic counter by
-// resident blocks, and a block publishes a claimed tile's count before it waits on anything:
-// every tile below `tile` is claimed, so every group below its own fills up.
+// Progress is guaranteed because tiles are claimed in order from an atomic counter by running
+// blocks, and no tile's count waits on the look-back of that tile or a later one (the Pici
+// compressor's warps add their shares of the block's next claim's count without waiting for its
+// warp 0, whose look-back is for an earlier tile; the COO one counts its next claim before it
+// looks back): every tile below `tile` is claimed, so every group below its own fills up. Keep it so: a barrier between warp 0's look-back and the other warps'
+// counting of the next claim would break it (and publishing that count later costs 40%:
+// bench/results/2026-11-26_codecs/README.md, item 8).
 __device__ __forceinline__ uint32_t look_back(const LookBack& lb, int64_t tile, int lane) {
   const int64_t group = tile / kGroup;
   const int64_t pred = tile - 1 - lane;
@@ -252,7 +256,7 @@ __device__ __forceinline__ void publish_count(const Regs& regs, int64_t tile, co
     uint32_t total = 0;
 #pragma unroll
     for (int w = 0; w < kThreads / 32; ++w) total += warp_counts[w];
-    publish_count(lb, tile, total);
+    publish_tile_count(lb, tile, total);
   }
 }
 
@@ -267,7 +271,7 @@ __device__ __forceinline__ void add_count_and_publish(const Regs& regs, int64_t 
     atomicAdd(sum, count);
     __threadfence_block();
     if (atomicAdd(arrived, 1u) == kThreads / 32 - 1) {
-      publish_count(lb, tile, atomicAdd(sum, 0u));
+      publish_tile_count(lb, tile, atomicAdd(sum, 0u));
       *sum = 0u;
       *arrived = 0u;
     }

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
+import random
 
 import pytest
 import torch
@@ -209,26 +211,35 @@ def test_clearing_graphs_waits_only_after_a_clean_exit(fake_cuda, monkeypatch):
 
 def test_bounds_from_counts_hold_while_the_counts_fit_and_stay_tight():
     graphs.clear_graphs()
-    rng = torch.Generator().manual_seed(torch.seed())
-    counts = torch.randint(0, 5000, (4, 6), generator=rng).tolist()
+    seed = int(os.environ.get("SPCCL_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    counts = torch.randint(0, 5000, (4, 6), generator=torch.Generator().manual_seed(seed)).tolist()
     limits = [[6000] * 6] * 4
     name = ("all_reduce", "group", None, 24_000, 24_000, torch.float32, "cfg")
     first = graphs.bounds_from_counts(name, counts, limits)
     for row, bound in zip(counts, first):
-        for c, b in zip(row, bound):  # above the count by the headroom and four deviations, within the piece
-            assert b == min(6000, math.ceil(c * graphs.BOUND_HEADROOM + 4 * math.sqrt(c)) + 16)
+        for c, b in zip(row, bound):  # above the count by the headroom and four deviations
+            assert b == math.ceil(c * graphs.BOUND_HEADROOM + 4 * math.sqrt(c)) + 16, f"SPCCL_TEST_SEED={seed}"
     # counts that still fit (none loose): the same bounds, so the same graph key
     assert graphs.bounds_from_counts(name, [[max(0, c - 1) for c in row] for row in counts], limits) is first
     # a count above its bound: new bounds
     grown = [row[:] for row in counts]
     grown[2][3] = first[2][3] + 1
-    assert graphs.bounds_from_counts(name, grown, limits) != first
-    # loose bounds (counts fell below half): new, tighter ones
-    fallen = [[0] * 6 for _ in range(4)]
-    tight = graphs.bounds_from_counts(name, fallen, limits)
-    assert all(b == 16 for row in tight for b in row)
+    assert graphs.bounds_from_counts(name, grown, limits) != first, f"SPCCL_TEST_SEED={seed}"
     graphs.clear_graphs()
-    assert graphs.bounds_from_counts(name, fallen, limits) is not tight  # forgotten with the graphs
+    assert graphs.bounds_from_counts(name, counts, limits) is not first  # forgotten with the graphs
+
+
+def test_bounds_from_counts_are_loose_past_twice_the_count_plus_64():
+    graphs.clear_graphs()
+    name, limits = ("all_reduce",), [[10_000]]
+    first = graphs.bounds_from_counts(name, [[1000]], limits)
+    b = first[0][0]  # ceil(1000 * 1.0625 + 4 sqrt(1000)) + 16
+    assert b == 1205
+    tightest = math.ceil((b - 64) / 2)  # the lowest count the bound still serves: b <= 2c + 64
+    assert graphs.bounds_from_counts(name, [[tightest]], limits) is first
+    assert graphs.bounds_from_counts(name, [[b]], limits) is first  # a count equal to its bound fits
+    assert graphs.bounds_from_counts(name, [[tightest - 1]], limits) != first  # loose: new, tighter ones
+    assert graphs.bounds_from_counts(name, [[0]], limits) == [[16]]
 
 
 def test_bounds_from_counts_cap_at_the_pieces_a_row_may_hold():

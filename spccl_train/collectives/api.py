@@ -793,7 +793,7 @@ def _measured_bounds(
 ) -> list[list[int]]:
     """Bounds for a graphed call from its exchanged counts (:func:`.graphs.bounds_from_counts`, under
     the name of this call: collective, group, tag, sizes, dtype and config). ``fingerprint``:
-    ``config.fingerprint()``."""
+    ``config.fingerprint()`` and the nodes this rank resolved (:func:`.context.nodes_code`)."""
     request, problems, _, layout = _request(collective, transport, config, fingerprint, inp, out, misfit)
     x = inp.view(-1) if not problems else inp
     exchanged, _ = _exchange(

@@ -35,10 +35,11 @@ def transport_of(group: dist.ProcessGroup | None) -> P2PTransport:
     return group_state(group).transport
 
 
-def nodes_code(ranks_per_node: int | None) -> str:
-    """The nodes as this rank resolves them (from the environment when the config leaves them
-    open), for the config code the planning exchange compares: ranks that disagree raise alike."""
-    return f"|nodes of {ranks_per_node}"
+def nodes_code(rpn: int | None) -> str:
+    """The nodes as this rank resolves them (``rpn``: :func:`ranks_per_node`, from the environment
+    when the config leaves them open), for the config code the planning exchange compares: ranks
+    that disagree raise alike."""
+    return f"|nodes of {rpn}"
 
 
 def ranks_per_node(config: CollectiveConfig, transport: P2PTransport) -> int | None:

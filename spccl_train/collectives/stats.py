@@ -12,7 +12,7 @@ from ..formats import Format
 from ._wire import StatusSink
 from .plan import Plan
 
-__all__ = ["CollectiveStats", "CollectiveWork", "add_statuses", "dense_ring_bytes"]
+__all__ = ["CollectiveStats", "CollectiveWork"]
 
 
 @dataclasses.dataclass(slots=True)
