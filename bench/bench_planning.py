@@ -17,9 +17,10 @@ with ``--ranks-per-node``, per world size and channel count:
   counts: its own messages, both phases (the gather phase sized from the bounds), as columns;
 - ``total_new_ms`` / ``total_memo_ms``: planning and choice per rank per call, ``decide + plan``;
 - ``total_new_default_group_ms``: the same for a new profile on the default group of several
-  nodes, where ``auto`` also weighs the hierarchical all-reduce (three sub-calls, each weighed);
-  ``total_new_default_group_steps_seen_ms``: a new flat profile whose per-node densities were
-  weighed before (the sub-calls' weighings memoised, as from a training run's second step);
+  nodes, where ``auto`` also weighs the hierarchical all-reduce (its three steps looked up in
+  their curves: :func:`~spccl_train.collectives.hierarchical.predict`);
+- ``curves_ms``: the first such call of a bucket shape, which makes the steps' curves (each step
+  weighed at every density of the decision grid, once per step shape, config and model);
 - ``reads_ms``: what rank 0's executors read of the plan before launching anything (split sizes,
   and each message's fields as lists): not planning, but per-call host work that grows with the
   ranks (the executors then launch a codec call per message);
@@ -216,8 +217,8 @@ def planning_rows(args: argparse.Namespace) -> list[dict]:
                 clear_decisions()
                 return decide(config, key, summarise(), torch.float32, model, 1, None, True, rounds, rings)
 
-            def choose_new_default_group_steps_seen():  # a new flat profile whose node densities were seen
-                clear_decisions(steps=False)
+            def make_curves():  # the first call of this shape on the default group
+                clear_decisions(curves=True)
                 return decide(config, key, summarise(), torch.float32, model, 1, None, True, rounds, rings)
 
             choice, weighed = choose_new()
@@ -233,10 +234,9 @@ def planning_rows(args: argparse.Namespace) -> list[dict]:
             row["total_new_ms"] = row["decide_new_ms"] + row["plan_ms"]
             row["total_memo_ms"] = row["decide_memo_ms"] + row["plan_ms"]
             if hierarchical.applies(topology):
+                row["curves_ms"] = 1e3 * _time(make_curves, repeats)
                 row["decide_new_default_group_ms"] = 1e3 * _time(choose_new_default_group, repeats)
                 row["total_new_default_group_ms"] = row["decide_new_default_group_ms"] + row["plan_ms"]
-                seen = 1e3 * _time(choose_new_default_group_steps_seen, repeats)
-                row["total_new_default_group_steps_seen_ms"] = seen + row["plan_ms"]
             row["chosen"] = f"{choice.algorithm}/{choice.format.value}"
             row["planned"] = sparse.name
             row["candidates"] = len(weighed)
@@ -252,7 +252,7 @@ def _line(row: dict) -> str:
     return (
         f"{row['world']:6d} {row['channels']:3d} {ms('summary_ms')} {ms('decide_new_ms')} {ms('decide_memo_ms')} "
         f"{ms('plan_ms')} {ms('total_new_ms')} {ms('total_memo_ms')} {ms('total_new_default_group_ms')} "
-        f"{ms('total_new_default_group_steps_seen_ms')} {ms('reads_ms')} {row['protocol']:>8s} "
+        f"{ms('curves_ms')} {ms('reads_ms')} {row['protocol']:>8s} "
         f"{row['exchange_bytes'] / 1024:10.1f} {row['table_bytes'] / 1024:10.1f} {row.get('chosen', ''):12s} "
         f"{row.get('note', '')}"
     )
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'ranks':>6s} {'ch':>3s} {'summary':>10s} {'new ms':>10s} {'memo ms':>10s} {'plan ms':>10s} "
-        f"{'total new':>10s} {'total memo':>10s} {'new, hier.':>10s} {'hier. seen':>10s} {'reads ms':>10s} "
+        f"{'total new':>10s} {'total memo':>10s} {'new, hier.':>10s} {'curves ms':>10s} {'reads ms':>10s} "
         f"{'protocol':>8s} {'exch KiB':>10s} "
         f"{'table KiB':>10s} chosen"
     )

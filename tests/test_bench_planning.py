@@ -42,7 +42,7 @@ def test_bench_planning_writes_its_tables(tmp_path):
             assert 0 < float(r["reads_ms"])
             # two nodes of 8: a call on the default group weighs the hierarchical all-reduce too
             assert bool(r["total_new_default_group_ms"]) == (world == 16), r
-            assert bool(r["total_new_default_group_steps_seen_ms"]) == (world == 16), r
+            assert bool(r["curves_ms"]) == (world == 16), r
     model = list(csv.DictReader(next(tmp_path.glob("planning_cpu_*_model.csv")).open()))
     small = next(r for r in model if r["gpus"] == "16")
     ring = 2 * 15 / 16 * (64 << 20) / 25e9  # the dense ring's bytes per GPU over the 25 GB/s network

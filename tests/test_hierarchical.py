@@ -28,7 +28,6 @@ from spccl_train.collectives import CollectiveConfig, CostModel, Topology, choos
 from spccl_train.collectives.choice import clear_decisions
 from spccl_train.collectives.chunking import ChunkLayout
 from spccl_train.collectives.cost import CodecCost, LinkCost
-from spccl_train.collectives.state import clear_memos
 
 
 @pytest.fixture(scope="module")
@@ -202,16 +201,22 @@ def test_auto_weighs_the_hierarchical_all_reduce_by_the_network():
     assert "hierarchical" not in weighed
 
 
-def test_the_hierarchical_steps_weighing_is_memoised_and_the_memo_is_pure():
-    clear_decisions()
+def test_the_hierarchical_steps_are_looked_up_in_curves_made_once():
+    """A step is weighed at every density of the decision grid once (per step shape, config and
+    model); another sparsity profile looks its steps up in the same curves, and a curve made again
+    is the same (the memo is pure)."""
+    clear_decisions(curves=True)
     first = _weigh(32, 8, 0.05, inter_bandwidth=2e9)[1]["hierarchical"]
-    assert hierarchical._steps, "the steps' weighings are kept"
-    again = _weigh(32, 8, 0.05, inter_bandwidth=2e9)[1]["hierarchical"]  # from the memo
-    clear_memos("hierarchical steps")
-    fresh = _weigh(32, 8, 0.05, inter_bandwidth=2e9)[1]["hierarchical"]  # recomputed
-    assert first == again == fresh
-    clear_decisions()
-    assert not hierarchical._steps
+    made = {key: dict(curve) for key, curve in hierarchical._curves.items()}
+    assert len(made) == 3, "one curve per step: inside a node twice (reduce-scatter, all-gather), across once"
+    other = _weigh(32, 8, 0.0123, inter_bandwidth=2e9)[1]["hierarchical"]
+    assert hierarchical._curves.keys() == made.keys() and other != first
+    clear_decisions()  # the decisions only
+    assert hierarchical._curves.keys() == made.keys()
+    clear_decisions(curves=True)
+    assert not hierarchical._curves
+    assert _weigh(32, 8, 0.05, inter_bandwidth=2e9)[1]["hierarchical"] == first
+    assert {key: dict(curve) for key, curve in hierarchical._curves.items()} == made
 
 
 def _job_auto_hierarchical(rank, world, seed, rpn):

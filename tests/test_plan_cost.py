@@ -13,7 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spccl_train.collectives import ChunkLayout, CollectiveConfig, CostModel, Thresholds, Topology, choose, hierarchical
-from spccl_train.collectives.choice import NATIVE_MARGIN, clear_decisions, decide, plan_candidate, weigh
+from spccl_train.collectives.choice import (
+    NATIVE_MARGIN,
+    clear_decisions,
+    decide,
+    plan_candidate,
+    weigh,
+    weigh_batch,
+)
 from spccl_train.collectives.config import DEFAULT_THRESHOLDS
 from spccl_train.collectives.cost import CodecCost, LinkCost
 from spccl_train.collectives.exchange import Counts
@@ -24,7 +31,7 @@ from spccl_train.collectives.plan import (
     plan_reduce_scatter,
 )
 from spccl_train.collectives.rank_plan import plan_all_gather_for
-from spccl_train.collectives.summary import CountSummary, _round, predict
+from spccl_train.collectives.summary import CountSummary, _round, count_levels, predict, round_count
 from spccl_train.formats import TILE, Format, align16, pici_bytes
 
 F32 = torch.float32
@@ -282,6 +289,61 @@ def test_rounding_rounds_each_count_as_documented(sizes, data):
     assert got == [_round_one(x, n) for x, n in zip(counts, sizes)]
 
 
+@settings(deadline=None, max_examples=40)
+@given(sizes=st.lists(st.integers(0, 1 << 30), min_size=1, max_size=20), data=st.data())
+def test_one_count_rounds_as_the_arrays_and_onto_its_levels(sizes, data):
+    """``round_count`` (the hierarchical steps' grid) rounds as :func:`_round`, and only to
+    :func:`count_levels`, which hold every value it can return."""
+    for n in sizes:
+        x = data.draw(st.sampled_from([0, n, min(n, 1), max(0, n - 1)]) | st.integers(0, n))
+        assert round_count(x, n) == _round(np.array([x]), np.array([n]), 16)[0] == _round_one(x, n)
+        levels = count_levels(n)
+        assert round_count(x, n) in levels and levels == sorted(set(levels)) and levels[0] == 0 and levels[-1] == n
+        if n <= 4096:  # whatever the count
+            assert {round_count(y, n) for y in range(n + 1)} <= set(levels)
+
+
+@settings(deadline=None, max_examples=40)
+@given(
+    collective=st.sampled_from(["all_gather", "reduce_scatter", "all_reduce"]),
+    world=st.integers(2, 9),
+    rpn=st.none() | st.integers(1, 4),
+    channels=st.integers(1, 2),
+    fmt=st.sampled_from(["auto", "pici", "coo", "dense"]),
+    data=st.data(),
+)
+def test_a_batch_of_summaries_weighs_as_each_alone(collective, world, rpn, channels, fmt, data):
+    """``weigh_batch`` (the hierarchical steps' curves) gives each table of a batch what ``weigh``
+    gives it alone, bit for bit: the same candidate and every prediction (tables of any counts)."""
+    n = data.draw(st.integers(0, 40 * TILE))
+    n = n if collective == "all_reduce" else n - n % world  # an all-gather's or reduce-scatter's equal chunks
+    layout = ChunkLayout.of(collective, n, world, channels)
+    sizes = [p.numel for chunk in layout.pieces for p in chunk]
+    batch = data.draw(st.integers(1, 5))
+    tables = np.array(
+        [[[data.draw(st.integers(0, size)) for size in sizes] for _ in range(world)] for _ in range(batch)],
+        dtype=np.int64,
+    )
+    topology, model = Topology(world, rpn), CostModel.default("cuda")
+    cfg = CollectiveConfig(
+        format=fmt, algorithm="auto" if fmt != "dense" else data.draw(st.sampled_from(["auto", "direct"]))
+    )
+    rounds = data.draw(st.integers(1, 3))
+    got = weigh_batch(
+        CountSummary.of(collective, tables, layout, topology), cfg, F32, model, rounds=rounds, rings=False
+    )
+    for table, each in zip(tables, got):
+        alone = weigh(CountSummary.of(collective, table, layout, topology), cfg, F32, model, rounds=rounds, rings=False)
+        assert each == alone
+
+
+def test_a_batch_refuses_rings():
+    layout = ChunkLayout.of("all_reduce", 4 * TILE, 4)
+    tables = np.zeros((2, 4, 4), dtype=np.int64)
+    with pytest.raises(ValueError, match="a ring is weighed one summary at a time"):
+        weigh_batch(CountSummary.of("all_reduce", tables, layout, Topology(4)), CollectiveConfig(), F32, _model())
+
+
 @settings(deadline=None, max_examples=60)
 @given(
     collective=st.sampled_from(["all_gather", "reduce_scatter", "all_reduce"]),
@@ -466,7 +528,7 @@ def test_least_sparse_is_below_every_sparse_prediction(collective, world, rpn, d
         got = predict(model, summary, F32, algorithm, fmt, Thresholds().resolve(fmt), 1, mode)
         assert not got.sparse or got.seconds >= least, (fmt, algorithm, mode, got, least)
     if collective == "all_reduce" and hierarchical.applies(topology):
-        seconds, sparse = hierarchical.predict(CollectiveConfig(), summary, F32, model, choose)
+        seconds, sparse = hierarchical.predict(CollectiveConfig(), summary, F32, model, weigh_batch)
         assert not sparse or seconds + model.planning(collective, n, F32, world) >= least
 
 

@@ -23,7 +23,7 @@ def test_a_memo_forgets_everything_when_full_and_clear_memos_reaches_every_memo(
     state.clear_memos("test memo")  # by name
     assert not memo and other == {"a": 1}
     state.clear_memos()  # all of them, the library's too
-    assert not other and not choice._decisions and not hierarchical._steps
+    assert not other and not choice._decisions and not hierarchical._curves
 
 
 def _job_state(rank, world, seed):

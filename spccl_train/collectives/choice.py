@@ -35,10 +35,10 @@ from .feedback import factor_of
 from .plan import Plan
 from .rank_plan import plan_all_gather_for, plan_direct_reduce_scatter_for, plan_reduce_scatter_for
 from .state import Memo, clear_memos
-from .summary import CountSummary, predict_variants
+from .summary import DENSITY_STEPS_PER_OCTAVE, CountSummary, Prediction, predict_variants
 from .topology import Topology
 
-__all__ = ["Candidate", "choose", "weigh", "decide", "plan_candidate", "clear_decisions"]
+__all__ = ["Candidate", "choose", "weigh", "weigh_batch", "decide", "plan_candidate", "clear_decisions"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -119,85 +119,135 @@ def weigh(
     """:func:`choose` from a summary: O(world x channels) array work per candidate. ``prefer``:
     the name of the candidate the group ran last for such a call, which keeps winning unless
     another is predicted more than :data:`STICKY_MARGIN` faster."""
+    native, priced = _price(summary, config, dtype, model, exchanges, rings)
+    candidates = _candidates(native, priced)
+    if (
+        summary.collective == "all_reduce"
+        and config.algorithm == "auto"
+        and config.format != "dense"
+        and exchanges == 1
+        and summary.layout.numel > 0
+        and hierarchical.applies(summary.topology)
+        and default_group
+    ):
+        # after the flat call's exchange, the steps' own (each in its prediction); weighed only
+        # where a step sends sparsely (all native, it is NCCL's work done slower)
+        predicted, sparse = hierarchical.predict(config, summary, dtype, model, weigh_batch)
+        if sparse:
+            layout = summary.layout
+            extra = model.planning(summary.collective, layout.numel, dtype, summary.topology.world, 1)
+            fmt = Format.PICI if config.format == "auto" else Format(config.format)
+            candidates.append(("hierarchical", "hierarchical", fmt, predicted + extra, "", True))
+    return _pick(candidates, native is not None, model, exchanges, factors, rounds, prefer)
+
+
+def weigh_batch(
+    summary: CountSummary,
+    config: CollectiveConfig,
+    dtype: torch.dtype,
+    model: CostModel,
+    exchanges: int = 1,
+    rounds: int = 1,
+    rings: bool = True,
+) -> list[tuple[Candidate, dict[str, float]]]:
+    """:func:`weigh` of each summary of a batch (:meth:`~.summary.CountSummary.of` of a table with
+    a leading axis), the array work done once for all: what :func:`.hierarchical.predict` weighs
+    its steps with, at every density of the decision grid. Rings are weighed one summary at a time
+    (``rings`` must be false, or the config's algorithm not ``"auto"``/``"ring"``); the hierarchical
+    candidate is not weighed (its steps are flat calls)."""
+    native, priced = _price(summary, config, dtype, model, exchanges, rings)
+    batch = summary.held.shape[0]
+    out = []
+    for i in range(batch):
+        at = [(a, f, m, Prediction(float(p.seconds[i]), bool(p.sparse[i]))) for a, f, m, p in priced]
+        out.append(_pick(_candidates(native, at), native is not None, model, exchanges, None, rounds, None))
+    return out
+
+
+def _price(
+    summary: CountSummary, config: CollectiveConfig, dtype: torch.dtype, model: CostModel, exchanges: int, rings: bool
+) -> tuple[float | None, list[tuple[str, Format, str, Prediction]]]:
+    """The native call's prediction (``None``: not weighed), and every flat sparse variant's:
+    ``(algorithm, format, gather mode, prediction)``, formats in the config's order."""
     collective, layout, topology = summary.collective, summary.layout, summary.topology
     native_only = config.format == "dense" and config.algorithm == "auto"
-    candidates: list[tuple[Candidate, bool]] = []  # with: does it send anything sparse
-    native_weighed = config.format == "auto" or native_only
-    if native_weighed:
-        predicted = model.predict_native(collective, layout.numel, dtype, topology, exchanges)
-        candidates.append((Candidate("native", Format.DENSE, predicted), True))
-    if not native_only:
-        formats = [Format.PICI, Format.COO] if config.format == "auto" else [Format(config.format)]
-        # Two ranks: the ring sends the direct algorithm's messages (one peer, one step per phase)
-        # through a slower executor, so it is weighed only when asked for. Over 6 sweeps of 2 ranks
-        # (emulated nodes on one H100 or H200, NVLink on 2 H100s; 64 MiB-1 GiB, 90-99.9%, Pici
-        # and COO: 128 pairs) it took 1.07x the direct time (median), over 1.1x at 44 pairs and
-        # under 1x at 17 (0.87x at best), while the model saw ties and auto took it at up to 1.26x
-        # the direct call.
-        flat = ["ring", "direct"] if rings and topology.world > 2 else ["direct"]
-        flat = flat if config.algorithm == "auto" else [config.algorithm]
-        weighed: dict[tuple[Format, str], tuple[Candidate, bool]] = {}
-        variants = [
-            (fmt, th, mode)
-            for fmt, th in ((fmt, config.thresholds.resolve(fmt)) for fmt in formats)
-            for mode in (_gather_modes(config.gather_counts, fmt) if collective == "all_reduce" else ("",))
-        ]
-        for algorithm in flat:  # every format and gather mode of an algorithm weighed at once
-            for (fmt, _, mode), got in zip(
-                variants, predict_variants(model, summary, dtype, algorithm, variants, exchanges)
-            ):
-                best = weighed.get((fmt, algorithm))
-                if best is None or got.seconds < best[0].predicted_s:  # ties: the first mode ("bound")
-                    weighed[fmt, algorithm] = (Candidate(algorithm, fmt, got.seconds, mode), got.sparse)
-        candidates += [weighed[fmt, algorithm] for fmt in formats for algorithm in flat]
-        if (
-            collective == "all_reduce"
-            and config.algorithm == "auto"
-            and exchanges == 1
-            and layout.numel > 0
-            and hierarchical.applies(topology)
-            and default_group
-        ):
-            # after the flat call's exchange, the steps' own (each in its prediction); weighed only
-            # where a step sends sparsely (all native, it is NCCL's work done slower)
-            predicted, sparse = hierarchical.predict(config, summary, dtype, model, choose)
-            if sparse:
-                extra = model.planning(collective, layout.numel, dtype, topology.world, 1)
-                fmt = Format.PICI if config.format == "auto" else Format(config.format)
-                candidates.append((Candidate("hierarchical", fmt, predicted + extra), True))
+    native = None
+    if config.format == "auto" or native_only:
+        native = model.predict_native(collective, layout.numel, dtype, topology, exchanges)
+    if native_only:
+        return native, []
+    formats = [Format.PICI, Format.COO] if config.format == "auto" else [Format(config.format)]
+    # Two ranks: the ring sends the direct algorithm's messages (one peer, one step per phase)
+    # through a slower executor, so it is weighed only when asked for. Over 6 sweeps of 2 ranks
+    # (emulated nodes on one H100 or H200, NVLink on 2 H100s; 64 MiB-1 GiB, 90-99.9%, Pici
+    # and COO: 128 pairs) it took 1.07x the direct time (median), over 1.1x at 44 pairs and
+    # under 1x at 17 (0.87x at best), while the model saw ties and auto took it at up to 1.26x
+    # the direct call.
+    flat = ["ring", "direct"] if rings and topology.world > 2 else ["direct"]
+    flat = flat if config.algorithm == "auto" else [config.algorithm]
+    variants = [
+        (fmt, th, mode)
+        for fmt, th in ((fmt, config.thresholds.resolve(fmt)) for fmt in formats)
+        for mode in (_gather_modes(config.gather_counts, fmt) if collective == "all_reduce" else ("",))
+    ]
+    priced = []
+    for algorithm in flat:  # every format and gather mode of an algorithm weighed at once
+        got = predict_variants(model, summary, dtype, algorithm, variants, exchanges)
+        priced += [(algorithm, fmt, mode, prediction) for (fmt, _, mode), prediction in zip(variants, got)]
+    return native, priced
+
+
+_Weighed = tuple[str, str, Format, float, str, bool]
+"""A weighed candidate: ``(name, algorithm, format, seconds, gather mode, sends anything sparse)``."""
+
+
+def _candidates(native: float | None, priced: list[tuple[str, Format, str, Prediction]]) -> list[_Weighed]:
+    """The native candidate first, then per format and algorithm its cheaper gather mode (ties:
+    the first, ``"bound"``)."""
+    candidates: list[_Weighed] = [] if native is None else [("native/dense", "native", Format.DENSE, native, "", True)]
+    weighed: dict[tuple[Format, str], _Weighed] = {}
+    for algorithm, fmt, mode, got in priced:
+        best = weighed.get((fmt, algorithm))
+        if best is None or got.seconds < best[3]:
+            weighed[fmt, algorithm] = (f"{algorithm}/{fmt.value}", algorithm, fmt, got.seconds, mode, got.sparse)
+    formats = dict.fromkeys(fmt for _, fmt, _, _ in priced)
+    algorithms = dict.fromkeys(algorithm for algorithm, _, _, _ in priced)
+    return candidates + [weighed[fmt, algorithm] for fmt in formats for algorithm in algorithms]
+
+
+def _pick(
+    candidates: list[_Weighed],
+    native_weighed: bool,
+    model: CostModel,
+    exchanges: int,
+    factors: Mapping[str, float] | None,
+    rounds: int,
+    prefer: str | None,
+) -> tuple[Candidate, dict[str, float]]:
+    """The cheapest candidate after the extra exchange rounds and the learned corrections, with the
+    native margin and the sticky preference; and every prediction by name."""
     extra = (rounds - 1) * model.exchange_s if rounds > 1 and exchanges else 0.0  # rounds beyond the one counted
     if extra or factors:
         candidates = [
-            (
-                Candidate(
-                    c.algorithm,
-                    c.format,
-                    (c.predicted_s + extra) * (factor_of(factors, c.name) if factors else 1.0),
-                    c.gather_counts,
-                ),
-                sparse,
-            )
-            for c, sparse in candidates
+            (name, a, f, (seconds + extra) * (factor_of(factors, name) if factors else 1.0), mode, sparse)
+            for name, a, f, seconds, mode, sparse in candidates
         ]
-    best = candidates[0][0]
-    for candidate, sparse in candidates[1:]:
+    best = candidates[0]
+    for candidate in candidates[1:]:
         # A plan that sends nothing sparse is a dense collective run by SpCCL's own steps, which
         # NCCL's native one does better: with the native candidate weighed, it never wins.
-        dominated = native_weighed and not sparse
+        dominated = native_weighed and not candidate[5]
         # Leaving native takes a clear predicted win; other ties, up to rounding in the sums, go
         # to the earlier candidate.
-        bar = best.predicted_s * ((1 - NATIVE_MARGIN) if best.algorithm == "native" else (1 - 1e-9))
-        if not dominated and candidate.predicted_s < bar:
+        bar = best[3] * ((1 - NATIVE_MARGIN) if best[1] == "native" else (1 - 1e-9))
+        if not dominated and candidate[3] < bar:
             best = candidate
-    if prefer is not None and prefer != best.name and best.algorithm != "native" and STICKY_MARGIN > 0:
-        kept = next((c for c, sparse in candidates if c.name == prefer and sparse), None)
-        if (
-            kept is not None
-            and kept.algorithm != "native"
-            and kept.predicted_s * (1 - STICKY_MARGIN) <= best.predicted_s
-        ):
+    if prefer is not None and prefer != best[0] and best[1] != "native" and STICKY_MARGIN > 0:
+        kept = next((c for c in candidates if c[0] == prefer and c[5]), None)
+        if kept is not None and kept[1] != "native" and kept[3] * (1 - STICKY_MARGIN) <= best[3]:
             best = kept
-    return best, {c.name: c.predicted_s for c, _ in candidates}
+    _, algorithm, fmt, seconds, mode, _ = best
+    return Candidate(algorithm, fmt, seconds, mode), {c[0]: c[3] for c in candidates}
 
 
 NATIVE_MARGIN = 0.1
@@ -228,8 +278,6 @@ def _gather_modes(setting: str, fmt: Format) -> tuple[str, ...]:
     return ("bound", "measured")
 
 
-DENSITY_STEPS_PER_OCTAVE = 16
-"""Resolution of :func:`decide`: densities within 2**(1/16) (4.4%) share a decision."""
 _MAX_DECISIONS = 1024
 _decisions = Memo("decisions", _MAX_DECISIONS)
 
@@ -281,10 +329,11 @@ def decide(
     return hit
 
 
-def clear_decisions(steps: bool = True) -> None:
-    """Forget every memoised decision, and (``steps``) the hierarchical steps' weighings (for
-    measurements of the weighing itself)."""
-    clear_memos("decisions", *(["hierarchical steps"] if steps else []))
+def clear_decisions(curves: bool = False) -> None:
+    """Forget every memoised decision, and (``curves``) the hierarchical steps' weighings at every
+    density (:func:`.hierarchical.predict`'s curves, which depend on no sparsity profile): for
+    measurements of the weighing itself."""
+    clear_memos("decisions", *(["hierarchical curves"] if curves else []))
 
 
 def plan_candidate(

@@ -336,13 +336,11 @@ def owner_terms(
     maxed over ranks), its reduced pieces' bounds (gathered), and its reduced pieces' expected
     nonzeros followed by its nonzeros (summed over ranks).
     """
-    n, n_safe, same_others, other_nodes = _owner_geometry(layout, topology, rank)
-    maxima = [
-        int(row[same_others].sum()),
-        int(row[other_nodes].sum()),
-        int(column[same_others].sum()),
-        int(column[other_nodes].sum()),
-    ]
+    n, n_safe, (first, last) = _owner_geometry(layout, topology, rank)
+    maxima = []
+    for per_rank in (row.sum(1), column.sum(1)):  # what it sends to, and receives from, each rank
+        total, own, node = int(per_rank.sum()), int(per_rank[rank]), int(per_rank[first:last].sum())
+        maxima += [node - own, total - node]
     bound = np.minimum(n, column.sum(0))
     # sparsities(): an empty piece has no nonzeros, so 1 - 0 / 1 there
     expected = np.rint(n * (1.0 - np.prod(1.0 - column / n_safe, axis=0))).astype(np.int64)
@@ -350,17 +348,15 @@ def owner_terms(
 
 
 @functools.lru_cache(maxsize=64)
-def _owner_geometry(layout: ChunkLayout, topology: Topology, rank: int) -> tuple[np.ndarray, ...]:
-    """:func:`owner_terms`'s fixed arrays: this rank's pieces' sizes (and at least 1), and the
-    ranks of its node other than itself, and of the other nodes, as masks."""
+def _owner_geometry(layout: ChunkLayout, topology: Topology, rank: int) -> tuple:
+    """:func:`owner_terms`'s fixed terms: this rank's pieces' sizes (and at least 1), and where
+    its node's ranks start and end."""
     p = layout.world
     n = piece_arrays(layout)[0][rank]
     rpn = topology.ranks_per_node
     local = p if rpn is None else min(rpn, p)
-    node = np.arange(p) // local
-    same = node == node[rank]
-    others = np.arange(p) != rank
-    return n, np.maximum(n, 1), same & others, ~same
+    first = rank // local * local
+    return n, np.maximum(n, 1), (first, min(p, first + local))
 
 
 def exchange_bytes(how: str, collective: str, world: int, channels: int, whole_table: bool = False) -> int:

@@ -46,7 +46,6 @@ previous bucket's transfers), and ``auto`` weighing the all-gather and reduce-sc
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -61,7 +60,7 @@ from .cost import CostModel
 from .exchange import exchange_rounds, protocol
 from .state import Memo, state_of
 from .stats import CollectiveStats, dense_ring_bytes
-from .summary import CountSummary
+from .summary import CountSummary, count_levels, round_count
 from .topology import Topology
 
 __all__ = [
@@ -99,16 +98,21 @@ def predict(
     summary: CountSummary,
     dtype: torch.dtype,
     model: CostModel,
-    weigh: Callable[..., tuple],
+    weigh_batch: Callable[..., list],
 ) -> tuple[float, bool]:
     """The model's time for the hierarchical all-reduce of a flat call's count summary (each rank's
-    nonzeros): each step weighed as the flat call it is, by ``weigh`` (:func:`~.choice.choose`),
-    on a table drawn from each rank's density, its pieces i.i.d.:
+    nonzeros): each step weighed as the flat call it is, with every rank of the step equally dense:
 
-    1. the reduce-scatter of the node with the most nonzeros (nodes run at once; the densest ends last);
-    2. the all-reduce across nodes of one slice, each node at its sum's density
-       ``1 - prod(1 - d)`` over its ranks (fill-in as for independent supports);
-    3. the all-gather inside a node of the slices at the whole sum's density.
+    1. the reduce-scatter inside the densest node (nodes run at once; the densest ends last), at
+       its ranks' mean density ``d``;
+    2. the all-reduce across nodes of one slice, at that node sum's density ``1 - (1 - d)^L``
+       (fill-in as for independent supports, ``L`` ranks per node);
+    3. the all-gather inside a node of the slices at the whole sum's density, ``1 - (1 - m)^p``
+       for the ranks' mean density ``m``.
+
+    A step's density is rounded to the decision grid (:data:`.summary.DENSITY_STEPS_PER_OCTAVE`)
+    and its weighing looked up in the step's curve (:func:`_curve`): made once per step shape,
+    config and model, so a new sparsity profile costs three look-ups, O(world) work in all.
 
     Each step's prediction includes its own planning exchange. Under ``auto`` a step is weighed as
     the direct algorithm or the native call, not as a ring: weighing rings took four fifths of
@@ -117,48 +121,93 @@ def predict(
     the step's (on 4 ranks the ring ran up to 7% faster than the direct call, on NVLink and at two
     ranks slower; ``bench/results/2026-11-26_native/``). Returns the time and whether any step
     would send sparsely (if none does, it is NCCL's work done slower: it never wins).
-    The summary's topology must satisfy :func:`applies`. O(world) work, plus each step's weighing.
+    The summary's topology must satisfy :func:`applies`.
     """
     layout, topology = summary.layout, summary.topology
     p, local = topology.world, topology.ranks_per_node
     nodes = p // local
     padded = -(-layout.numel // local) * local
-    density = np.minimum(1.0, summary.density).tolist()
-    by_node = [density[k * local : (k + 1) * local] for k in range(nodes)]
-    # products in Python, in rank order: every rank computes the same bits
-    node_sum = np.array([1 - math.prod(1 - d for d in ds) for ds in by_node])
-    total = 1 - math.prod(1 - d for d in density)
-    within, across = _within(config), _across(config)
+    held = summary.held.reshape(nodes, local).sum(1)  # per node: integers, exact
+    densest = int(held.argmax())
+    node = min(1.0, int(held[densest]) / (local * max(1, layout.numel)))  # its ranks' mean density
+    mean = min(1.0, int(held.sum()) / (p * max(1, layout.numel)))
+    fingerprint = config.fingerprint()
 
-    def best(collective: str, cfg: CollectiveConfig, numel: int, world: int, rows: np.ndarray, rpn) -> tuple:
-        # a pure function of these inputs: memoised, since the node densities repeat while the
-        # flat call's profile changes (every rank holds the same memo entries)
-        key = (collective, cfg.fingerprint(), numel, world, layout.channels, rows.tobytes(), rpn, dtype, model, weigh)
-        hit = _steps.get(key)
-        if hit is not None:
-            return hit
-        sub = ChunkLayout.of(collective, numel, world, layout.channels)
-        sizes = np.array([piece.numel for chunk in sub.pieces for piece in chunk], dtype=np.float64)
-        if collective == "all_gather":  # a row's first pieces are its input's
-            sizes[layout.channels :] = 0
-        table = np.rint(np.outer(rows, sizes)).astype(np.int64)
-        how = protocol(world)  # each step exchanges its counts as its subgroup's size says
-        rings = cfg.algorithm == "ring"  # else weighed as direct or native: see below
-        rounds = exchange_rounds(how, collective, rings)
-        chosen, _ = weigh(collective, cfg, table, sub, dtype, Topology(world, rpn), model, rounds=rounds, rings=rings)
-        return _steps.put(key, (chosen.predicted_s, chosen.algorithm != "native"))
+    def step(collective: str, level: str, d: float, numel: int, world: int) -> tuple[float, bool]:
+        elements = numel // world if collective == "all_gather" else numel  # what each of its ranks holds
+        curve = _curve(collective, level, config, fingerprint, numel, world, layout.channels, dtype, model, weigh_batch)
+        return curve[round_count(round(d * elements), elements)]
 
-    densest = max(range(nodes), key=lambda k: sum(by_node[k]))
     steps = [
-        best("reduce_scatter", within, padded, local, np.array(by_node[densest]), None),
-        best("all_reduce", across, padded // local, nodes, node_sum, 1),
-        best("all_gather", within, padded, local, np.full(local, total), None),
+        step("reduce_scatter", "within", node, padded, local),
+        step("all_reduce", "across", 1 - _power(1 - node, local), padded // local, nodes),
+        step("all_gather", "within", 1 - _power(1 - mean, p), padded, local),
     ]
     return sum(t for t, _ in steps), any(sparse for _, sparse in steps)
 
 
-_steps = Memo("hierarchical steps", 1024)
-""":func:`predict`'s step weighings by their inputs."""
+def _power(x: float, k: int) -> float:
+    """``x ** k`` by squaring, each product rounded as IEEE arithmetic rounds it: the same bits on
+    every rank (a library ``pow`` may differ in the last bit between machines)."""
+    out = 1.0
+    while k:
+        if k & 1:
+            out *= x
+        x *= x
+        k >>= 1
+    return out
+
+
+def _curve(
+    collective: str,
+    level: str,
+    config: CollectiveConfig,
+    fingerprint: str,
+    numel: int,
+    world: int,
+    channels: int,
+    dtype: torch.dtype,
+    model: CostModel,
+    weigh_batch: Callable[..., list],
+) -> dict[int, tuple[float, bool]]:
+    """A step's weighing (``level``: ``"within"`` a node or ``"across"`` nodes) at every count of
+    nonzeros its ranks' density can round to (:func:`.summary.count_levels`, about 16 per octave:
+    450 for 2**28 elements), every rank of the step holding that many: ``{count: (seconds, sends
+    sparse)}``. One batch of array work per :data:`_BATCH` table elements (a few milliseconds
+    per curve at 8 ranks per node), memoised; ranks make the same curves from the same inputs."""
+    key = (collective, level, fingerprint, numel, world, channels, dtype, model, weigh_batch)
+    hit = _curves.get(key)
+    if hit is not None:
+        return hit
+    cfg, rpn = (_within(config), None) if level == "within" else (_across(config), 1)
+    sub = ChunkLayout.of(collective, numel, world, channels)
+    topology = Topology(world, rpn)
+    sizes = np.array([piece.numel for chunk in sub.pieces for piece in chunk], dtype=np.float64)
+    if collective == "all_gather":  # a row's first pieces are its input's
+        sizes[channels:] = 0
+    held = numel // world if collective == "all_gather" else numel
+    counts = count_levels(held)
+    how = protocol(world)  # each step exchanges its counts as its subgroup's size says
+    rounds = exchange_rounds(how, collective)
+    out = {}
+    block = max(1, _BATCH // (world * sizes.size))
+    for start in range(0, len(counts), block):
+        part = counts[start : start + block]
+        rows = np.rint(np.multiply.outer(np.array(part) / max(1, held), sizes)).astype(np.int64)  # [b, world * ch]
+        table = np.broadcast_to(rows[:, None, :], (len(part), world, sizes.size))
+        weighed = weigh_batch(
+            CountSummary.of(collective, table, sub, topology), cfg, dtype, model, rounds=rounds, rings=False
+        )
+        for count, (chosen, _) in zip(part, weighed):
+            out[count] = (chosen.predicted_s, chosen.algorithm != "native")
+    return _curves.put(key, out)
+
+
+_BATCH = 1 << 21
+""":func:`_curve`'s table elements per batch (16 MiB of int64)."""
+
+_curves = Memo("hierarchical curves", 64)
+""":func:`_curve`'s curves by their inputs."""
 
 
 def is_world(group: dist.ProcessGroup | None) -> bool:

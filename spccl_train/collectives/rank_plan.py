@@ -102,8 +102,9 @@ def _sizes(fmt: Format, dtype: torch.dtype, packed: bool, n, bound, sigma, tau) 
 def _packed_sizes(
     fmt: Format, size: int, n: np.ndarray, meta: np.ndarray, count: np.ndarray, sigma: np.ndarray, tau
 ) -> tuple[np.ndarray, ...]:
-    """:func:`_sizes` of packed messages of pieces that all have elements, with their Pici
-    metadata bytes ``meta`` known: the same integers in fewer array operations."""
+    """:func:`_sizes` of packed messages, with their pieces' Pici metadata bytes ``meta`` known:
+    the same integers in fewer array operations (an empty piece has 0 bytes dense, so it never
+    travels sparse, whatever its ``sigma``)."""
     dense = n * size
     if fmt is Format.DENSE:
         return np.zeros(n.shape, dtype=bool), (dense + 15) & ~15, dense
@@ -201,6 +202,15 @@ class _Direct(NamedTuple):
     counted: np.ndarray
     """Where each message's count is: a reduce-scatter's in ``row.ravel()`` followed by
     ``column.ravel()``; an all-gather's in the ``[owner, piece]`` table, flattened."""
+
+
+@functools.lru_cache(maxsize=64)
+def _piece_terms(layout: ChunkLayout) -> tuple[np.ndarray, np.ndarray]:
+    """Every piece's element count (at least 1: a sparsity's divisor) and Pici metadata bytes, ``[c, k]``."""
+    n = piece_arrays(layout)[0]
+    tiles = -(-n // TILE)
+    meta = 512 * tiles + ((4 * (tiles + 1) + 15) & ~15)
+    return np.maximum(n, 1), meta
 
 
 @functools.lru_cache(maxsize=64)
@@ -304,10 +314,9 @@ def plan_all_gather_for(
     p, ch = layout.world, layout.channels
     payload = np.asarray(counts, dtype=np.int64).reshape(p, ch)
     n, start = piece_arrays(layout)
-    ranks = np.arange(p)
-    node = _node(topology, ranks)
-    sigma_all = sparsities(n, payload)
     if algorithm == "ring":  # each payload forwarded p - 1 times unchanged
+        sigma_all = sparsities(n, payload)
+        node = _node(topology, np.arange(p))
         steps = _ring_steps(
             Phase.ALL_GATHER,
             rank,
@@ -325,7 +334,9 @@ def plan_all_gather_for(
     if p == 1:
         return Plan(collective, algorithm, fmt, dtype, layout, topology, (), rank)
     # every owner's payload per wave (what its receivers size their buffers by); a message carries its owner's
-    sparse, sizes, dense = _sizes(fmt, dtype, True, n, payload, sigma_all, threshold)
+    n_safe, meta = _piece_terms(layout)
+    sigma_all = 1.0 - payload / n_safe  # sparsities(): 1.0 for an empty piece, which never travels sparse
+    sparse, sizes, dense = _packed_sizes(fmt, element_size(dtype), n, meta, payload, sigma_all, threshold)
     waves = tuple(map(tuple, np.where(n > 0, sizes, 0).T.tolist()))
     geo = _direct_geometry(rank, layout, topology, gather=True)
     at = geo.counted

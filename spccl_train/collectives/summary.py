@@ -55,7 +55,15 @@ from .plan import PADDED_GATHER_SLACK, sparsities
 from .state import Memo
 from .topology import Topology
 
-__all__ = ["CountSummary", "Prediction", "predict", "predict_variants"]
+__all__ = [
+    "DENSITY_STEPS_PER_OCTAVE",
+    "CountSummary",
+    "Prediction",
+    "count_levels",
+    "predict",
+    "predict_variants",
+    "round_count",
+]
 
 _INTRA, _INTER = 0, 1
 
@@ -111,20 +119,20 @@ def _geometry(layout: ChunkLayout, topology: Topology) -> _Geometry:
 
 
 def _by_kind(per_pair: np.ndarray, topology: Topology) -> tuple[np.ndarray, np.ndarray]:
-    """``per_pair[q, c]`` (what rank ``q`` holds of chunk ``c``) summed per hop kind, own chunk left
-    out: ``(sent[h, q], received[h, c])``."""
-    p = per_pair.shape[0]
-    own = per_pair.diagonal()
-    out_total, in_total = per_pair.sum(1) - own, per_pair.sum(0) - own
+    """``per_pair[..., q, c]`` (what rank ``q`` holds of chunk ``c``) summed per hop kind, own chunk
+    left out: ``(sent[..., h, q], received[..., h, c])``."""
+    p = per_pair.shape[-1]
+    own = np.diagonal(per_pair, axis1=-2, axis2=-1)
+    out_total, in_total = per_pair.sum(-1) - own, per_pair.sum(-2) - own
     rpn = topology.ranks_per_node
     if rpn is None or rpn >= p:
         out_same, in_same = out_total, in_total
     else:
-        starts = np.arange(0, p, rpn)
-        node = np.arange(p) // rpn
-        out_same = np.add.reduceat(per_pair, starts, axis=1)[np.arange(p), node] - own
-        in_same = np.add.reduceat(per_pair, starts, axis=0)[node, np.arange(p)] - own
-    return np.stack([out_same, out_total - out_same]), np.stack([in_same, in_total - in_same])
+        starts, ranks = np.arange(0, p, rpn), np.arange(p)
+        node = ranks // rpn
+        out_same = np.add.reduceat(per_pair, starts, axis=-1)[..., ranks, node] - own
+        in_same = np.add.reduceat(per_pair, starts, axis=-2)[..., node, ranks] - own
+    return np.stack([out_same, out_total - out_same], axis=-2), np.stack([in_same, in_total - in_same], axis=-2)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -155,24 +163,30 @@ class CountSummary:
     @classmethod
     def of(cls, collective: str, table: object, layout: ChunkLayout, topology: Topology) -> CountSummary:
         """Summarise an exchanged (or bounds) table: ``table[q]`` is rank ``q``'s ``world * channels``
-        piece counts (an all-gather reads each row's first ``channels``)."""
+        piece counts (an all-gather reads each row's first ``channels``). A table with leading axes
+        (``[..., world, world * channels]``, an int64 array) is a batch of tables: each array of the
+        summary then has the same leading axes, and :func:`predict_variants` weighs them at once."""
         p, ch = layout.world, layout.channels
-        counts = np.asarray(table, dtype=np.int64).reshape(p, -1)
-        geo = _geometry(layout, topology)
-        n = geo.n
+        counts = np.asarray(table, dtype=np.int64)
+        lead = counts.shape[:-2] if counts.ndim > 2 else ()
+        counts = counts.reshape(lead + (p, -1))
+        n = _geometry(layout, topology).n
         if collective == "all_gather":
-            own = counts[:, :ch]
-            zero = np.zeros((2, p), dtype=np.int64)
-            return cls(collective, layout, topology, zero, zero, np.zeros(ch, np.int64), own, own, own.sum(1))
-        cube = counts[:, : p * ch].reshape(p, p, ch)
-        sent, received = _by_kind(cube.sum(2), topology)
-        column = cube.sum(0)  # [c, k]: every rank's nonzeros of the piece
-        others = column - cube[np.arange(p), np.arange(p)]
-        ring = others.max(0)
+            own = counts[..., :ch]
+            zero = np.zeros(lead + (2, p), dtype=np.int64)
+            return cls(
+                collective, layout, topology, zero, zero, np.zeros(lead + (ch,), np.int64), own, own, own.sum(-1)
+            )
+        cube = counts[..., : p * ch].reshape(lead + (p, p, ch))
+        sent, received = _by_kind(cube.sum(-1), topology)
+        column = cube.sum(-3)  # [..., c, k]: every rank's nonzeros of the piece
+        ranks = np.arange(p)
+        ring = (column - cube[..., ranks, ranks, :]).max(-2)
         bound = np.minimum(n, column)
-        expected = np.rint(n * (1.0 - np.prod(sparsities(n, cube), axis=0))).astype(np.int64)  # [q, c, k] -> [c, k]
+        # [..., q, c, k] -> [..., c, k], a product in rank order
+        expected = np.rint(n * (1.0 - np.prod(sparsities(n, cube), axis=-3))).astype(np.int64)
         estimate = np.minimum(bound, expected)
-        held = counts[:, : p * ch].sum(1)
+        held = counts[..., : p * ch].sum(-1)
         return cls(collective, layout, topology, sent, received, ring, bound, estimate, held)
 
     def rounded(self, steps: int) -> CountSummary:
@@ -188,10 +202,7 @@ class CountSummary:
         for v in parts:
             out.append(flat[at : at + v.size].reshape(v.shape))
             at += v.size
-        sent, received, ring, bound, estimate, held = out
-        return dataclasses.replace(
-            self, sent=sent, received=received, ring=ring, bound=bound, estimate=estimate, held=held
-        )
+        return CountSummary(self.collective, self.layout, self.topology, *out)
 
     def key(self) -> bytes:
         """The summary's bytes (a memo key, with the call's other inputs)."""
@@ -257,14 +268,7 @@ class _Rounding:
         values = np.asarray(values, dtype=np.int64)
         if values.size <= _SMALL:  # a few counts (small groups): numpy's per-call overhead dominates
             sizes, which, tables = self.lists
-            out = []
-            for x, n, w in zip(values.tolist(), sizes, which):
-                if x <= 0 or x >= n:
-                    out.append(x)
-                else:
-                    floors, levels = tables[w]
-                    out.append(levels[len(floors) - bisect.bisect_left(floors, x)])
-            return np.array(out, dtype=np.int64)
+            return np.array([_look_up(x, n, *tables[w]) for x, n, w in zip(values.tolist(), sizes, which)], np.int64)
         inner = (values > 0) & (values < self.sizes)
         if self.keys is None:  # sizes too large to pack: one size at a time
             out = values.copy()
@@ -291,6 +295,32 @@ def _round(values: np.ndarray, sizes: np.ndarray, steps: int) -> np.ndarray:
 _SMALL = 64
 
 
+DENSITY_STEPS_PER_OCTAVE = 16
+"""The grid ``auto`` decides on: densities within 2**(1/16) (4.4%) share a decision
+(:func:`~.choice.decide` rounds the summary to it; the hierarchical steps are weighed on it)."""
+
+
+def round_count(x: int, n: int, steps: int = DENSITY_STEPS_PER_OCTAVE) -> int:
+    """One count ``x`` of ``n`` rounded as :func:`_round` rounds it."""
+    return _look_up(x, n, *_level_lists(n, steps))
+
+
+def count_levels(n: int, steps: int = DENSITY_STEPS_PER_OCTAVE) -> list[int]:
+    """The values :func:`round_count` can return for size ``n``, ascending (0 and ``n`` included;
+    a level that no count rounds to may be among them)."""
+    return sorted({0, n, *_level_lists(n, steps)[1]}) if n > 1 else list(range(n + 1))
+
+
+def _look_up(x: int, n: int, floors: list[int], levels: list[int]) -> int:
+    return x if x <= 0 or x >= n else levels[len(floors) - bisect.bisect_left(floors, x)]
+
+
+@functools.lru_cache(maxsize=256)
+def _level_lists(n: int, steps: int) -> tuple[list[int], list[int]]:
+    floors, levels = _levels(max(n, 2), steps)
+    return floors.tolist(), levels.tolist()
+
+
 @functools.lru_cache(maxsize=256)
 def _levels(n: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
     """For size ``n``: the boundaries ``n 2**(-(k + 1/2)/steps)`` between levels ``k`` and ``k + 1``,
@@ -307,6 +337,7 @@ class Prediction:
     """A candidate's predicted seconds, and whether any of its messages would travel sparse."""
 
     seconds: float
+    """(An array over a batch of summaries: :meth:`CountSummary.of`.)"""
     sparse: bool
 
 
@@ -349,32 +380,52 @@ def predict_variants(
             Prediction(model.planning(collective, layout.numel, dtype, 1, exchanges + (g == "measured")), False)
             for _, _, g in variants
         ]
-    reduce: dict[Format, list[tuple[float, bool]]] = {}
-    gather: list[list[tuple[float, bool]]] = [[] for _ in variants]
     ring = algorithm == "ring"
+    if ring and summary.held.ndim > 1:
+        raise ValueError("a ring is weighed one summary at a time, not a batch")
+    steps: list[list[tuple]] = [[] for _ in variants]  # per variant: (seconds, sends sparse) per step
     if collective != "all_gather":
         distinct = {fmt: th for fmt, th, _ in variants}
         if ring:
-            steps = _ring_reduce(model, summary, size, list(distinct), list(distinct.values()))
+            by_format = _ring_reduce(model, summary, size, list(distinct), list(distinct.values()))
         else:
-            steps = [[step] for step in _direct_reduce(model, summary, size, list(distinct), list(distinct.values()))]
-        reduce = dict(zip(distinct, steps))
+            by_format = [
+                [step]
+                for step in _columns(*_direct_reduce(model, summary, size, list(distinct), list(distinct.values())))
+            ]
+        reduce = dict(zip(distinct, by_format))
+        for taken, (fmt, _, _) in zip(steps, variants):
+            taken += reduce[fmt]
     if collective != "reduce_scatter":
-        payloads = np.stack([summary.estimate if g == "measured" else summary.bound for _, _, g in variants])
+        sized = [summary.estimate if g == "measured" else summary.bound for _, _, g in variants]
         fmts, taus = [f for f, _, _ in variants], [th.ag for _, th, _ in variants]
         if ring:
-            gather = _ring_gather(model, summary, payloads, size, fmts, taus)
-        else:
-            gather = [[step] for step in _direct_gather(model, summary, payloads, size, fmts, taus)]
+            gathered = _ring_gather(model, summary, np.stack(sized, axis=-3), size, fmts, taus)
+        else:  # [..., v, k, c]: a chunk's pieces summed along an outer axis, the cheap way
+            payloads = np.stack([np.swapaxes(x, -1, -2) for x in sized], axis=-3)
+            gathered = [[step] for step in _columns(*_direct_gather(model, summary, payloads, size, fmts, taus))]
+        for taken, more in zip(steps, gathered):
+            taken += more
     out = []
-    for (fmt, _, mode), gathered in zip(variants, gather):
-        terms = [model.planning(collective, layout.numel, dtype, layout.world, exchanges + (mode == "measured"))]
+    planning = {
+        mode: model.planning(collective, layout.numel, dtype, layout.world, exchanges + (mode == "measured"))
+        for mode in {mode for _, _, mode in variants}
+    }
+    for (_, _, mode), taken in zip(variants, steps):
+        seconds = planning[mode]
         sparse = False
-        for seconds, sends in reduce.get(fmt, []) + gathered:
-            terms.append(model.step_s + seconds)
-            sparse = sparse or sends
-        out.append(Prediction(math.fsum(terms), sparse))
+        for step_s, sends in taken:  # in step order, the same float steps for a batch or one summary
+            seconds = seconds + (model.step_s + step_s)
+            sparse = sparse | sends
+        out.append(Prediction(seconds, sparse))
     return out
+
+
+def _columns(seconds: np.ndarray, sparse: np.ndarray) -> list[tuple]:
+    """A direct step's ``[..., v]`` results per variant: Python numbers for one summary, arrays over a batch."""
+    if seconds.ndim == 1:
+        return list(zip(seconds.tolist(), sparse.tolist()))
+    return list(zip(np.moveaxis(seconds, -1, 0), np.moveaxis(sparse, -1, 0)))
 
 
 _TERMS = Memo("weighing terms", 256)
@@ -401,19 +452,28 @@ def _codec_rates(model: CostModel, fmts: Sequence[Format], rate: str, axes: int)
 
 
 class _ReduceTerms(NamedTuple):
-    sends: np.ndarray
-    """``[f, d, h, q]``: the format is sparse and the rank has messages of that kind."""
+    base: np.ndarray
+    """``[f, d, h, q]``: the payloads' bytes besides their values and COO indices: Pici metadata, or COO headers."""
+    coo_msgs: np.ndarray | None
+    """``[f, d, h, q]``: a COO format's messages (0 for Pici), each with its indices padded to 16
+    bytes (``None``: no COO format)."""
     per: np.ndarray
+    """Messages, at least 1 (a divisor)."""
+    per_less_1: np.ndarray
+    """``per - 1``: what a division rounding up adds."""
     elems: np.ndarray
     """At least 1 (a sparsity's divisor)."""
     dense_bytes: np.ndarray
+    limit: np.ndarray
+    """``[f, d, h, q]``: a sparse payload must be under it: the dense bytes, or -1 where the format
+    is dense or the rank has no messages of that kind."""
     tau: np.ndarray
-    bandwidth: np.ndarray
-    encode: tuple[np.ndarray, np.ndarray]
-    """Seconds of encoding what a rank sends per hop kind: sparse (per format), dense."""
-    decode: tuple[np.ndarray, np.ndarray]
+    msgs_per_bandwidth: np.ndarray
+    """``[d, h, q]``: messages over the hop kind's bandwidth (seconds per byte of each message)."""
+    codec: tuple[np.ndarray, np.ndarray]
+    """``[f, d, h, q]`` and ``[d, h, q]``: seconds of encoding what a rank sends (``d = 0``) and
+    accumulating what it receives (``d = 1``) per hop kind: sparse (per format), dense."""
     latency: np.ndarray
-    coo: tuple[bool, ...]
 
 
 def _reduce_terms(geo: _Geometry, model: CostModel, size: int, fmts: tuple, taus: tuple) -> _ReduceTerms:
@@ -424,68 +484,71 @@ def _reduce_terms(geo: _Geometry, model: CostModel, size: int, fmts: tuple, taus
     calls, compress = _codec_rates(model, fmts, "compress", 2)
     _, accumulate = _codec_rates(model, fmts, "accumulate", 2)
     latency = np.array([geo.waves * link.latency_s for link in links])[:, None]
+    coo = np.array([fmt is Format.COO for fmt in fmts]).reshape(f, 1, 1, 1)
+    sends = (msgs > 0) & np.array([fmt is not Format.DENSE for fmt in fmts]).reshape(f, 1, 1, 1)
     return _ReduceTerms(
-        sends=(msgs > 0) & np.array([fmt is not Format.DENSE for fmt in fmts]).reshape(f, 1, 1, 1),
+        base=np.where(coo, msgs * COO_HEADER_BYTES, geo.meta),
+        coo_msgs=coo * msgs if coo.any() else None,
         per=np.maximum(msgs, 1),
+        per_less_1=np.maximum(msgs, 1) - 1,
         elems=np.maximum(geo.elems, 1),
         dense_bytes=dense_bytes,
+        limit=np.where(sends, dense_bytes, -1),
         tau=np.array(taus).reshape(f, 1, 2, 1),
-        bandwidth=np.array([link.grouped_bandwidth for link in links])[:, None],
-        encode=(msgs[0] * calls + dense_bytes[0] / compress, dense_bytes[0] / model.copy),
-        decode=(msgs[1] * calls + dense_bytes[1] / accumulate, dense_bytes[1] / model.reduce),
+        msgs_per_bandwidth=msgs / np.array([link.grouped_bandwidth for link in links])[:, None],
+        codec=(
+            np.stack([msgs[0] * calls + dense_bytes[0] / compress, msgs[1] * calls + dense_bytes[1] / accumulate], 1),
+            np.stack([dense_bytes[0] / model.copy, dense_bytes[1] / model.reduce]),
+        ),
         latency=np.where(msgs[0] > 0, latency, 0.0).max(0),
-        coo=tuple(fmt is Format.COO for fmt in fmts),
     )
 
 
 def _direct_reduce(
     model: CostModel, s: CountSummary, size: int, fmts: Sequence[Format], ths: Sequence
-) -> list[tuple[float, bool]]:
+) -> tuple[np.ndarray, np.ndarray]:
     """One all-to-all: each rank encodes what it sends, puts the larger of its outgoing and incoming
     bytes on the wire, one latency per wave, and accumulates what it receives; the slowest rank sets it.
+    Returns each format's seconds and whether it sends anything sparse, ``[..., f]``.
 
-    Arrays ``[f, d, h, q]``: format, direction (0: what rank ``q`` sends, 1: what it receives),
-    hop kind, rank."""
+    Arrays ``[..., f, d, h, q]``: the summary's leading axes (a batch), format, direction (0: what
+    rank ``q`` sends, 1: what it receives), hop kind, rank."""
     geo = _geometry(s.layout, s.topology)
     t = _terms(_reduce_terms, geo, model, size, tuple(fmts), tuple((th.intra, th.inter) for th in ths))
-    nnz = np.stack([s.sent, s.received])  # [d, h, q]
+    nnz = np.stack([s.sent, s.received], axis=-3)[..., None, :, :, :]  # [..., 1, d, h, q]
     # the messages' payloads summed (affine in nnz: exact for Pici), as if equally dense
-    values = nnz * size
-    pici = geo.meta + values
-    if any(t.coo):
-        chunked = _align16(np.ceil(4 * nnz / t.per).astype(np.int64))
-        coo = geo.msgs * (COO_HEADER_BYTES + chunked) + values
-        payload = np.stack([coo if is_coo else pici for is_coo in t.coo])
-    else:
-        payload = pici[None]
+    payload = nnz * size + t.base
+    if t.coo_msgs is not None:  # a message's 4-byte indices, padded to 16 bytes
+        payload = payload + t.coo_msgs * _align16((4 * nnz + t.per_less_1) // t.per)
     sigma = 1.0 - nnz / t.elems  # sparsities(): 1.0 where a rank has nothing of that kind
-    sparse = t.sends & (sigma > t.tau) & (payload < t.dense_bytes)  # [f, d, h, q]
-    nbytes = np.where(sparse, payload, t.dense_bytes) / t.per
-    wire = (geo.msgs * _align16(np.ceil(nbytes).astype(np.int64)) / t.bandwidth).sum(-2)  # [f, d, q]
-    encode = np.where(sparse[:, 0], *t.encode).sum(-2)
-    decode = np.where(sparse[:, 1], *t.decode).sum(-2)
-    busy = encode + np.maximum(wire[:, 0], wire[:, 1]) + t.latency + decode
-    return list(zip(busy.max(-1).tolist(), sparse.any((1, 2, 3)).tolist()))
+    sparse = (sigma > t.tau) & (payload < t.limit)  # [..., f, d, h, q]
+    per_message = (np.where(sparse, payload, t.dense_bytes) + t.per_less_1) // t.per  # bytes, rounded up
+    wire = (_align16(per_message) * t.msgs_per_bandwidth).sum(-2)  # [..., f, d, q]
+    codec = np.where(sparse, *t.codec).sum(-2)  # [..., f, d, q]: encoding, accumulating
+    busy = codec[..., 0, :] + np.maximum(wire[..., 0, :], wire[..., 1, :]) + t.latency + codec[..., 1, :]
+    return busy.max(-1), sparse.any((-3, -2, -1))
 
 
 class _GatherTerms(NamedTuple):
-    sends: np.ndarray
-    """``[v, c, k]``: the variant's format is sparse and the piece has elements."""
+    limit: np.ndarray
+    """``[v, k, c]``: a sparse payload must be under it: the piece's dense bytes, or -1 where the
+    variant's format is dense or the piece empty."""
     n: np.ndarray
     """At least 1 (a sparsity's divisor)."""
     dense_bytes: np.ndarray
     tau: np.ndarray
     base: np.ndarray
-    """``[v, c, k]``: a payload's bytes besides its values and (COO) indices: Pici metadata or the COO header."""
+    """``[v, k, c]``: a payload's bytes besides its values and (COO) indices: Pici metadata or the COO header."""
     coo: np.ndarray | None
-    """``[v, 1, 1]``: 1 for a COO variant (``None``: there is none)."""
-    encode: tuple[np.ndarray, np.ndarray]
-    """Seconds of encoding each piece (0 for empty ones): sparse (per variant), dense."""
-    decode: tuple[np.ndarray, np.ndarray]
+    """``[v, 1, 1]``: 4 (bytes per index) for a COO variant, else 0 (``None``: there is none)."""
+    codec: tuple[np.ndarray, np.ndarray]
+    """``[v, 2, k, c]`` and ``[2, k, c]``: seconds of encoding (0) and decoding (1) each piece (0
+    for empty ones), sent sparse (per variant) or dense."""
     reach: np.ndarray
-    bandwidth: tuple[float, float]
+    per_byte: tuple[float, float]
+    """Seconds per byte inside a node, and across nodes."""
     latency: float
-    nodes: tuple[np.ndarray, np.ndarray] | None
+    nodes: tuple[int, np.ndarray, np.ndarray] | None
     """:func:`_from_others`'s node starts and each rank's node (``None``: one node)."""
 
 
@@ -493,7 +556,7 @@ def _gather_terms(
     geo: _Geometry, model: CostModel, size: int, fmts: tuple, taus: tuple, rpn: int | None
 ) -> _GatherTerms:
     v = len(fmts)
-    n = geo.n
+    n = np.ascontiguousarray(geo.n.T)  # [k, c]: sums over a chunk's pieces run along the outer axis
     has = n > 0
     dense_bytes = n * size
     sends, coo, base = _format_terms(fmts, n)
@@ -501,65 +564,75 @@ def _gather_terms(
     _, decompress = _codec_rates(model, fmts, "decompress", 2)
     copy = np.where(has, dense_bytes / model.copy, 0.0)
     bw = tuple(model.link(h == _INTER).grouped_bandwidth for h in (_INTRA, _INTER))
-    waves = int((n.max(0) > 0).sum())  # piece indices that carry messages: one exchange each
+    waves = int((geo.n.max(0) > 0).sum())  # piece indices that carry messages: one exchange each
     kinds = [h for h in (_INTRA, _INTER) if geo.peers[h].max() > 0]
     slowest = max((model.link(h == _INTER).latency_s for h in kinds), default=0.0)
     p = geo.n.shape[0]
     return _GatherTerms(
-        sends=has & sends,
+        limit=np.where(has & sends, dense_bytes, -1),
         n=np.maximum(n, 1),
         dense_bytes=dense_bytes,
         tau=np.array(taus).reshape(v, 1, 1),
         base=base,
-        coo=coo if coo.any() else None,
-        encode=(np.where(has, calls + dense_bytes / compress, 0.0), copy),
-        decode=(np.where(has, calls + dense_bytes / decompress, 0.0), copy),
+        coo=4 * coo if coo.any() else None,
+        codec=(
+            np.stack([np.where(has, calls + dense_bytes / rate, 0.0) for rate in (compress, decompress)], axis=1),
+            np.stack([copy, copy]),
+        ),
         reach=geo.peers[_INTRA] / bw[_INTRA] + geo.peers[_INTER] / bw[_INTER],
-        bandwidth=bw,
+        per_byte=(1 / bw[_INTRA], 1 / bw[_INTER]),
         latency=waves * slowest,
-        nodes=None if rpn is None or rpn >= p else (np.arange(0, p, rpn), np.arange(p) // rpn),
+        nodes=None if rpn is None or rpn >= p else (rpn, np.arange(0, p, rpn), np.arange(p) // rpn),
     )
 
 
 def _direct_gather(
     model: CostModel, s: CountSummary, payloads: np.ndarray, size: int, fmts: Sequence[Format], taus: Sequence[float]
-) -> list[tuple[float, bool]]:
+) -> tuple[np.ndarray, np.ndarray]:
     """One all-gather of every owner's payload (padded to the largest of each wave when that costs
-    at most ``PADDED_GATHER_SLACK`` more, as the planner does); exact. ``payloads[v, c, k]``: the
-    nonzeros piece ``k`` of chunk ``c`` is sized for in variant ``v``, sent in format ``fmts[v]``
-    with all-gather threshold ``taus[v]``: every variant weighed at once."""
+    at most ``PADDED_GATHER_SLACK`` more, as the planner does); exact. ``payloads[..., v, k, c]``:
+    the nonzeros piece ``k`` of chunk ``c`` is sized for in variant ``v``, sent in format
+    ``fmts[v]`` with all-gather threshold ``taus[v]``: every variant (and summary of a batch)
+    weighed at once. Returns each variant's seconds and whether it sends anything sparse, ``[..., v]``."""
     geo = _geometry(s.layout, s.topology)
     t = _terms(_gather_terms, geo, model, size, tuple(fmts), tuple(taus), s.topology.ranks_per_node)
     p = s.layout.world
     sigma = 1.0 - payloads / t.n  # sparsities(): empty pieces are never sent
     payload = t.base + payloads * size  # wire_format's, per format
-    if t.coo is not None:
-        payload += t.coo * _align16(4 * payloads)
-    sparse = t.sends & (sigma > t.tau) & (payload < t.dense_bytes)
-    nbytes = _align16(np.where(sparse, payload, t.dense_bytes))  # [v, c, k]: packed (empty pieces: 0)
-    enc = np.where(sparse, *t.encode).sum(-1)  # [v, c]
-    dec = np.where(sparse, *t.decode).sum(-1)
+    if t.coo is not None:  # 4-byte indices padded to 16 bytes: 4 * (nnz rounded up to 4)
+        payload += t.coo * ((payloads + 3) & ~3)
+    sparse = (sigma > t.tau) & (payload < t.limit)
+    nbytes = _align16(np.where(sparse, payload, t.dense_bytes))  # [..., v, k, c]: packed (empty pieces: 0)
+    codec = np.where(sparse[..., None, :, :], *t.codec).sum(-2)  # [..., v, 2, c]
+    enc, dec = codec[..., 0, :], codec[..., 1, :]
     decode = dec.sum(-1, keepdims=True) - dec  # every other owner's payload
     # padded_slot of each variant: its waves padded to their largest payload, if cheap enough
-    mine = nbytes.sum(-1)  # [v, c]
-    padded = nbytes.max(-2).sum(-1, keepdims=True)  # [v, 1]
+    mine = nbytes.sum(-2)  # [..., v, c]
+    padded = nbytes.max(-1).sum(-1, keepdims=True)  # [..., v, 1]
     use = (padded > 0) & (p * padded <= PADDED_GATHER_SLACK * mine.sum(-1, keepdims=True))
-    intra, inter = t.bandwidth
     out_wire = np.where(use, padded, mine) * t.reach
-    in_wire = np.where(use, out_wire, _from_others(mine / intra, mine / inter, t.nodes))
+    in_wire = np.where(use, out_wire, _from_others(mine, *t.per_byte, t.nodes))
     busy = (enc + np.maximum(out_wire, in_wire) + t.latency + decode).max(-1)
-    return list(zip(busy.tolist(), sparse.any((-2, -1)).tolist()))
+    return busy, sparse.any((-2, -1))
 
 
-def _from_others(intra: np.ndarray, inter: np.ndarray, nodes: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray:
-    """Per rank ``d`` (the last axis): the sum over the other ranks ``c`` of ``intra[c]`` (same node)
-    or ``inter[c]``. ``nodes``: where each node's ranks start, and each rank's node (``None``: one node)."""
+def _from_others(
+    nbytes: np.ndarray, intra: float, inter: float, nodes: tuple[int, np.ndarray, np.ndarray] | None
+) -> np.ndarray:
+    """Per rank ``d`` (the last axis): the seconds of receiving every other rank's ``nbytes``, at
+    ``intra`` seconds per byte from its own node and ``inter`` from the others. ``nodes``: ranks
+    per node, where each node's ranks start, and each rank's node (``None``: one node)."""
+    others = nbytes.sum(-1, keepdims=True) - nbytes
     if nodes is None:
-        return intra.sum(-1, keepdims=True) - intra
-    starts, node = nodes
-    intra_node = np.add.reduceat(intra, starts, axis=-1)[..., node]
-    inter_node = np.add.reduceat(inter, starts, axis=-1)[..., node]
-    return (intra_node - intra) + (inter.sum(-1, keepdims=True) - inter_node)
+        return others * intra
+    rpn, starts, node = nodes
+    p = nbytes.shape[-1]
+    if p % rpn == 0:  # equal nodes: each node's ranks side by side
+        by_node = nbytes.reshape(nbytes.shape[:-1] + (p // rpn, rpn))
+        in_node = (by_node.sum(-1, keepdims=True) - by_node).reshape(nbytes.shape)
+    else:
+        in_node = np.add.reduceat(nbytes, starts, axis=-1)[..., node] - nbytes
+    return others * inter + in_node * (intra - inter)
 
 
 def _format_terms(fmts: Sequence[Format], n: np.ndarray) -> tuple[np.ndarray, ...]:

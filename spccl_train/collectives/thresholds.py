@@ -4,6 +4,7 @@ phase-aware in gather steps). A leaf module: the planners and the config both re
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ..formats import Format
 
@@ -58,10 +59,14 @@ class Thresholds:
 
     def resolve(self, fmt: Format | str) -> ResolvedThresholds:
         """Fill the unset thresholds with ``fmt``'s defaults (dense uses Pici's, which it ignores)."""
-        fmt = Format(fmt)
-        base = DEFAULT_THRESHOLDS.get(fmt, DEFAULT_THRESHOLDS[Format.PICI])
-        return ResolvedThresholds(
-            intra=base.intra if self.intra is None else float(self.intra),
-            inter=base.inter if self.inter is None else float(self.inter),
-            ag=base.ag if self.ag is None else float(self.ag),
-        )
+        return _resolve(self, Format(fmt))
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve(thresholds: Thresholds, fmt: Format) -> ResolvedThresholds:
+    base = DEFAULT_THRESHOLDS.get(fmt, DEFAULT_THRESHOLDS[Format.PICI])
+    return ResolvedThresholds(
+        intra=base.intra if thresholds.intra is None else float(thresholds.intra),
+        inter=base.inter if thresholds.inter is None else float(thresholds.inter),
+        ag=base.ag if thresholds.ag is None else float(thresholds.ag),
+    )
