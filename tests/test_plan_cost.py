@@ -274,7 +274,7 @@ def test_decide_rounds_the_summary_and_agrees_with_weigh_on_it():
 def _round_one(x: int, n: int) -> int:
     """The rounding :meth:`CountSummary.rounded` documents, one count at a time."""
     if x <= 0 or x >= n:
-        return x
+        return min(x, n)
     j = round(-math.log2(x / n) * 16)
     return min(n - 1, max(1, round(n * 2.0 ** (-j / 16))))
 
@@ -284,7 +284,7 @@ def _round_one(x: int, n: int) -> int:
 def test_rounding_rounds_each_count_as_documented(sizes, data):
     """The integer-exact rounding (in Python for a few counts, vectorised for more) equals the
     one-count formula (empty, full, tiny, near-full and arbitrary counts)."""
-    counts = [data.draw(st.sampled_from([0, n, min(n, 3), max(0, n - 2)]) | st.integers(0, n)) for n in sizes]
+    counts = [data.draw(st.sampled_from([0, n, n + 1, min(n, 3), max(0, n - 2)]) | st.integers(0, n)) for n in sizes]
     got = _round(np.array(counts), np.array(sizes), 16).tolist()
     assert got == [_round_one(x, n) for x, n in zip(counts, sizes)]
 
@@ -295,7 +295,7 @@ def test_one_count_rounds_as_the_arrays_and_onto_its_levels(sizes, data):
     """``round_count`` (the hierarchical steps' grid) rounds as :func:`_round`, and only to
     :func:`count_levels`, which hold every value it can return."""
     for n in sizes:
-        x = data.draw(st.sampled_from([0, n, min(n, 1), max(0, n - 1)]) | st.integers(0, n))
+        x = data.draw(st.sampled_from([0, n, n + 7, min(n, 1), max(0, n - 1)]) | st.integers(0, n))
         assert round_count(x, n) == _round(np.array([x]), np.array([n]), 16)[0] == _round_one(x, n)
         levels = count_levels(n)
         assert round_count(x, n) in levels and levels == sorted(set(levels)) and levels[0] == 0 and levels[-1] == n

@@ -337,14 +337,17 @@ def owner_terms(
     nonzeros followed by its nonzeros (summed over ranks).
     """
     n, n_safe, (first, last) = _owner_geometry(layout, topology, rank)
-    maxima = []
-    for per_rank in (row.sum(1), column.sum(1)):  # what it sends to, and receives from, each rank
-        total, own, node = int(per_rank.sum()), int(per_rank[rank]), int(per_rank[first:last].sum())
-        maxima += [node - own, total - node]
+    per_rank = np.stack([row, column]).sum(2)  # what it sends to, and receives from, each rank
+    (sent, received), (sent_own, received_own), (sent_node, received_node) = (
+        per_rank.sum(1).tolist(),
+        per_rank[:, rank].tolist(),
+        per_rank[:, first:last].sum(1).tolist(),
+    )
+    maxima = [sent_node - sent_own, sent - sent_node, received_node - received_own, received - received_node]
     bound = np.minimum(n, column.sum(0))
     # sparsities(): an empty piece has no nonzeros, so 1 - 0 / 1 there
     expected = np.rint(n * (1.0 - np.prod(1.0 - column / n_safe, axis=0))).astype(np.int64)
-    return maxima, bound, np.concatenate([np.minimum(bound, expected), [row.sum()]])
+    return maxima, bound, np.concatenate([np.minimum(bound, expected), [sent]])
 
 
 @functools.lru_cache(maxsize=64)

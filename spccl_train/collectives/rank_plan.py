@@ -29,7 +29,6 @@ from ._ring import ring_chunk
 from .chunking import ChunkLayout, piece_arrays
 from .plan import (
     FORMAT_CODE,
-    Message,
     Messages,
     Phase,
     Plan,
@@ -71,7 +70,7 @@ def _messages(
     (:func:`~.plan.choose_format`): sparse when sparser than its threshold and smaller than dense.
     ``sized``: that rule's ``(sparse, nbytes, dense_nbytes)`` of every message, when known."""
     sparse, nbytes, dense = _sizes(fmt, dtype, packed, n, bound, sigma, tau) if sized is None else sized
-    columns = dict(
+    columns = dict(  # Message's fields, in its order; every one an array
         src=src,
         dst=dst,
         chunk=chunk,
@@ -87,7 +86,7 @@ def _messages(
         inter_node=inter,
         dense_nbytes=dense,
     )
-    return Messages({name: np.asarray(columns[name]) for name in Message._fields})
+    return Messages(columns)
 
 
 def _sizes(fmt: Format, dtype: torch.dtype, packed: bool, n, bound, sigma, tau) -> tuple[np.ndarray, ...]:

@@ -245,32 +245,40 @@ class _Rounding:
     def of(cls, sizes: np.ndarray, steps: int) -> _Rounding:
         self = cls()
         self.sizes = np.asarray(sizes, dtype=np.int64)
-        roundable = self.sizes > 1
-        distinct, which = np.unique(np.where(roundable, self.sizes, 2), return_inverse=True)
+        distinct, which = np.unique(self.sizes, return_inverse=True)
         self.which = which.reshape(-1)
-        self.tables = [_levels(size, steps) for size in distinct.tolist()]
+        self.tables = [_levels(max(2, size), steps) for size in distinct.tolist()]
         self.lists = (self.sizes.tolist(), self.which.tolist(), [(f.tolist(), lv.tolist()) for f, lv in self.tables])
+        # Per size n, boundaries with 0 and n - 1 added and levels with n and 0 around them, so a
+        # count of 0 or n looks itself up: a count's level is levels[len(floors) - #(floors < count)].
+        ends = [
+            (np.concatenate([[0], f, [n - 1]]), np.concatenate([[n], lv, [0]]))
+            if n > 1
+            else (np.zeros(n, np.int64), np.array([n, 0][: n + 1], np.int64))
+            for n, (f, lv) in zip(distinct.tolist(), self.tables)
+        ]
         shift = int(distinct[-1]).bit_length() + 1
-        counts = np.array([len(f) for f, _ in self.tables])
+        counts = np.array([len(f) for f, _ in ends])
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         level_starts = np.concatenate([[0], np.cumsum(counts + 1)[:-1]]).astype(np.int64)
-        self.levels = np.concatenate([lv for _, lv in self.tables])
+        self.levels = np.concatenate([lv for _, lv in ends])
         packable = shift + len(distinct).bit_length() <= 62
-        self.keys = np.concatenate([(i << shift) + f for i, (f, _) in enumerate(self.tables)]) if packable else None
-        # per count: its key's offset, where its size's boundaries start, and its size's level 0
+        self.keys = np.concatenate([(i << shift) + f for i, (f, _) in enumerate(ends)]) if packable else None
+        # per count: its key's offset, where its size's boundaries start, and its size's first level
         self.shifted = self.which << shift
         self.first = starts[self.which]
         self.last = level_starts[self.which] + counts[self.which]
         return self
 
     def apply(self, values: np.ndarray) -> np.ndarray:
-        """``values`` (int64, one per size) rounded."""
+        """``values`` (int64, one per size, at least 0) rounded."""
         values = np.asarray(values, dtype=np.int64)
         if values.size <= _SMALL:  # a few counts (small groups): numpy's per-call overhead dominates
             sizes, which, tables = self.lists
             return np.array([_look_up(x, n, *tables[w]) for x, n, w in zip(values.tolist(), sizes, which)], np.int64)
-        inner = (values > 0) & (values < self.sizes)
+        values = np.minimum(values, self.sizes)
         if self.keys is None:  # sizes too large to pack: one size at a time
+            inner = (values > 0) & (values < self.sizes)
             out = values.copy()
             x, which = values[inner], self.which[inner]
             for i, (floors, levels) in enumerate(self.tables):
@@ -278,16 +286,16 @@ class _Rounding:
                 x[mine] = levels[len(floors) - np.searchsorted(floors, x[mine], side="left")]
             out[inner] = x
             return out
-        # every count looked up at once (those outside (0, n) at a clipped value, then kept as they are)
-        below = np.searchsorted(self.keys, self.shifted + np.clip(values, 0, self.sizes), side="left") - self.first
-        return np.where(inner, self.levels[self.last - below], values)
+        # every count looked up at once
+        return self.levels[self.last - (np.searchsorted(self.keys, self.shifted + values) - self.first)]
 
 
 def _round(values: np.ndarray, sizes: np.ndarray, steps: int) -> np.ndarray:
     """Each count ``0 < x < n`` (``n`` its size, an equally shaped array) to ``round(n 2**(-j/steps))``
     for the nearest ``j`` (``j = round(-steps log2(x / n))``), clamped to ``[1, n - 1]``; empty
-    and full stay exact. Integer-exact (:class:`_Rounding`), so every rank rounds alike whatever
-    its CPU's vector math."""
+    and full stay exact, and a count above its size is the size (the scalable exchange's maxima
+    may exceed a shorter chunk's rank's elements: a rank sends no more than it holds).
+    Integer-exact (:class:`_Rounding`), so every rank rounds alike whatever its CPU's vector math."""
     values = np.asarray(values, dtype=np.int64)
     return _Rounding.of(np.ravel(sizes), steps).apply(values.ravel()).reshape(values.shape)
 
@@ -312,7 +320,9 @@ def count_levels(n: int, steps: int = DENSITY_STEPS_PER_OCTAVE) -> list[int]:
 
 
 def _look_up(x: int, n: int, floors: list[int], levels: list[int]) -> int:
-    return x if x <= 0 or x >= n else levels[len(floors) - bisect.bisect_left(floors, x)]
+    if x <= 0 or x >= n:
+        return min(x, n)
+    return levels[len(floors) - bisect.bisect_left(floors, x)]
 
 
 @functools.lru_cache(maxsize=256)
@@ -402,7 +412,7 @@ def predict_variants(
         if ring:
             gathered = _ring_gather(model, summary, np.stack(sized, axis=-3), size, fmts, taus)
         else:  # [..., v, k, c]: a chunk's pieces summed along an outer axis, the cheap way
-            payloads = np.stack([np.swapaxes(x, -1, -2) for x in sized], axis=-3)
+            payloads = np.moveaxis(np.array([np.swapaxes(x, -1, -2) for x in sized]), 0, -3)
             gathered = [[step] for step in _columns(*_direct_gather(model, summary, payloads, size, fmts, taus))]
         for taken, more in zip(steps, gathered):
             taken += more
@@ -611,7 +621,7 @@ def _direct_gather(
     padded = nbytes.max(-1).sum(-1, keepdims=True)  # [..., v, 1]
     use = (padded > 0) & (p * padded <= PADDED_GATHER_SLACK * mine.sum(-1, keepdims=True))
     out_wire = np.where(use, padded, mine) * t.reach
-    in_wire = np.where(use, out_wire, _from_others(mine, *t.per_byte, t.nodes))
+    in_wire = out_wire if use.all() else np.where(use, out_wire, _from_others(mine, *t.per_byte, t.nodes))
     busy = (enc + np.maximum(out_wire, in_wire) + t.latency + decode).max(-1)
     return busy, sparse.any((-2, -1))
 
