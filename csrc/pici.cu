@@ -1,9 +1,10 @@
 // Pici compress / decompress / decompress-accumulate (layout: docs/FORMATS.md).
 //
-// Compression reads the input exactly once: each block stages a 64x64 tile in shared memory,
-// builds the 64 column words, publishes the tile's count, compacts the tile's nonzeros into
-// shared memory, learns its global offset by decoupled look-back, and writes the values out
-// coalesced. The next tile's loads are issued before the current tile is processed.
+// Compression reads the input exactly once: each block stages a unit of 64x64 tiles in shared
+// memory (one tile of 32-bit elements, two of 16-bit ones: tiles.cuh), builds each tile's 64
+// column words, publishes the unit's count, compacts the unit's nonzeros into shared memory,
+// learns its global offset by decoupled look-back, and writes the values out coalesced. The next
+// unit's loads are issued before the current one is processed.
 #include <type_traits>
 
 #include "common.cuh"
@@ -38,28 +39,57 @@ __device__ __forceinline__ void copy_out(const T* stage_s, uint32_t count, int64
   if (threadIdx.x == kThreads - 1 && (limit - head) % 2) to[limit - 1] = stage_s[limit - 1];
 }
 
+// Tile::kUnit tiles taken as one work unit: one claim, one count, one look-back and one chain of
+// barriers for all of them (a tile past the end loads zeros and is neither written nor indexed).
+template <typename Tile>
+struct Unit {
+  static constexpr int kTiles = Tile::kUnit;
+  Tile part[kTiles];
+
+  __device__ __forceinline__ void load(const typename Tile::Source& s, int64_t unit) {
+#pragma unroll
+    for (int u = 0; u < kTiles; ++u) part[u].load(s, unit * kTiles + u);
+  }
+  __device__ __forceinline__ void prepare(const typename Tile::Source& s, int64_t unit) {
+#pragma unroll
+    for (int u = 0; u < kTiles; ++u) part[u].prepare(s, unit * kTiles + u);
+  }
+  __device__ __forceinline__ uint32_t count_nonzero() const {
+    uint32_t count = 0;
+#pragma unroll
+    for (int u = 0; u < kTiles; ++u) count += part[u].count_nonzero();
+    return count;
+  }
+  __device__ __forceinline__ void store_shared(typename Tile::Bits* tile_s) const {
+#pragma unroll
+    for (int u = 0; u < kTiles; ++u) part[u].store_shared(tile_s + u * kTile);
+  }
+};
+
 template <typename Tile>
 __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kernel(
     const typename Tile::Source source, int64_t tiles, uint8_t* __restrict__ out, int64_t capacity,
     int64_t index_offset, int64_t values_offset, const LookBack lb, int64_t* __restrict__ nnz_out) {
   using T = typename Tile::Bits;
-  __shared__ __align__(16) T tile_s[kTile];
-  __shared__ __align__(16) T stage_s[kTile];
-  __shared__ uint16_t part_s[4][kTileRows];
-  __shared__ unsigned long long word_s[kTileRows];
-  __shared__ uint32_t colpre_s[kTileRows];
+  constexpr int U = Tile::kUnit;
+  __shared__ __align__(16) T tile_s[U * kTile];
+  __shared__ __align__(16) T stage_s[U * kTile];
+  __shared__ uint16_t part_s[U][4][kTileRows];
+  __shared__ unsigned long long word_s[U][kTileRows];
+  __shared__ uint32_t colpre_s[U][kTileRows];
   __shared__ uint32_t count_s[kThreads / 32];
-  __shared__ uint32_t total_s, prefix_s, next_count_s, arrived_s;
+  __shared__ uint32_t total_s[U], prefix_s, next_count_s, arrived_s;
   __shared__ int64_t claim_s[2];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t units = (tiles + U - 1) / U;
   unsigned long long* bits = reinterpret_cast<unsigned long long*>(out);
   uint32_t* index = reinterpret_cast<uint32_t*>(out + index_offset);
   T* values = reinterpret_cast<T*>(out + values_offset);
   const int64_t value_room = (capacity - values_offset) / int64_t(sizeof(T));
 
-  // Each block holds two claims: the tile it processes and the next one, whose loads are in
-  // flight meanwhile. A claimed tile's count is published before the block waits on anything.
+  // Each block holds two claims: the unit it processes and the next one, whose loads are in
+  // flight meanwhile. A claimed unit's count is published before the block waits on anything.
   if (tid == 0) {
     claim_s[0] = atomicAdd(lb.counter, 1u);
     claim_s[1] = atomicAdd(lb.counter, 1u);
@@ -67,70 +97,84 @@ __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kern
     arrived_s = 0;
   }
   __syncthreads();
-  int64_t tile = claim_s[0], next = claim_s[1];
-  Tile regs;
-  if (tile < tiles) {
-    regs.load(source, tile);
-    regs.prepare(source, tile);
-    publish_count(regs, tile, lb, count_s);
+  int64_t unit = claim_s[0], next = claim_s[1];
+  Unit<Tile> regs;
+  if (unit < units) {
+    regs.load(source, unit);
+    regs.prepare(source, unit);
+    publish_count(regs, unit, lb, count_s);
   }
 
-  // Staged values of the previous tile wait in stage_s for their copy-out, done at the start
+  // Staged values of the previous unit wait in stage_s for their copy-out, done at the start
   // of the next iteration (alongside phase 1) to save a barrier.
   uint32_t pending = 0;
   int64_t pending_base = 0;
-  while (tile < tiles) {
+  while (unit < units) {
     regs.store_shared(tile_s);
     __syncthreads();
-    if (next < tiles) regs.load(source, next);  // in flight while this tile is processed
+    if (next < units) regs.load(source, next);  // in flight while this unit is processed
     copy_out(stage_s, pending, pending_base, values, value_room);
 
-    // Phase 1: thread (column c, quarter g) scans rows 16g..16g+15 of column c.
+    // Phase 1: thread (column c, quarter g) scans rows 16g..16g+15 of column c of each tile.
     {
       const int c = tid & 63, g = tid >> 6;
-      uint32_t m = 0;
 #pragma unroll
-      for (int i = 0; i < 16; ++i) m |= uint32_t(is_nonzero(tile_s[(16 * g + i) * kTileRows + c])) << i;
-      part_s[g][c] = uint16_t(m);
+      for (int u = 0; u < U; ++u) {
+        uint32_t m = 0;
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+          m |= uint32_t(is_nonzero(tile_s[u * kTile + (16 * g + i) * kTileRows + c])) << i;
+        part_s[u][g][c] = uint16_t(m);
+      }
     }
     __syncthreads();
 
-    // Phase 2: warp 0 assembles the column words (two adjacent columns per lane), writes B,
-    // and prefix-sums the column counts with shuffles.
+    // Phase 2: warp 0 assembles each tile's column words (two adjacent columns per lane), writes
+    // B, and prefix-sums the column counts with shuffles, each tile's after the unit's earlier ones.
     if (warp == 0) {
       const int c0 = 2 * lane, c1 = c0 + 1;
-      unsigned long long w0 = 0, w1 = 0;
+      uint32_t before = 0;
 #pragma unroll
-      for (int g = 0; g < 4; ++g) {
-        w0 |= (unsigned long long)part_s[g][c0] << (16 * g);
-        w1 |= (unsigned long long)part_s[g][c1] << (16 * g);
+      for (int u = 0; u < U; ++u) {
+        unsigned long long w0 = 0, w1 = 0;
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+          w0 |= (unsigned long long)part_s[u][g][c0] << (16 * g);
+          w1 |= (unsigned long long)part_s[u][g][c1] << (16 * g);
+        }
+        word_s[u][c0] = w0;
+        word_s[u][c1] = w1;
+        if (unit * U + u < tiles)
+          reinterpret_cast<ulonglong2*>(bits + (unit * U + u) * kTileRows)[lane] = make_ulonglong2(w0, w1);
+        const uint32_t n0 = __popcll(w0), n1 = __popcll(w1);
+        const uint32_t inclusive = warp_inclusive_scan(n0 + n1, lane);
+        colpre_s[u][c0] = before + inclusive - n0 - n1;
+        colpre_s[u][c1] = before + inclusive - n1;
+        if (lane == 31) total_s[u] = inclusive;
+        before += __shfl_sync(kFullMask, inclusive, 31);
       }
-      word_s[c0] = w0;
-      word_s[c1] = w1;
-      reinterpret_cast<ulonglong2*>(bits + tile * kTileRows)[lane] = make_ulonglong2(w0, w1);
-      const uint32_t n0 = __popcll(w0), n1 = __popcll(w1);
-      const uint32_t inclusive = warp_inclusive_scan(n0 + n1, lane);
-      colpre_s[c0] = inclusive - n0 - n1;
-      colpre_s[c1] = inclusive - n1;
-      if (lane == 31) total_s = inclusive;
     }
     __syncthreads();
 
-    // Phases 3-4 overlap: warp 0 publishes the next tile's count and looks back for this
-    // tile's offset while warps 1-7 compact; then warp 0 compacts its own share.
+    // Phases 3-4 overlap: warp 0 publishes the next unit's count and looks back for this
+    // unit's offset while warps 1-7 compact; then warp 0 compacts its own share.
     if (warp == 0) {
-      if (next < tiles) {
+      if (next < units) {
         regs.prepare(source, next);
         add_count_and_publish(regs, next, lb, &next_count_s, &arrived_s);
       }
-      const uint32_t exclusive = tile == 0 ? 0u : look_back(lb, tile, lane);
+      const uint32_t exclusive = unit == 0 ? 0u : look_back(lb, unit, lane);
       if (lane == 0) {
         claim_s[0] = atomicAdd(lb.counter, 1u);
-        const uint32_t inclusive = exclusive + total_s;
-        publish_prefix(lb, tile, inclusive);
+        uint32_t inclusive = exclusive;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (unit * U + u < tiles) index[unit * U + u] = inclusive;
+          inclusive += total_s[u];
+        }
+        publish_prefix(lb, unit, inclusive);
         prefix_s = exclusive;
-        index[tile] = exclusive;
-        if (tile == tiles - 1) {
+        if (unit == units - 1) {
           index[tiles] = inclusive;
           // Zero the padding after I up to the 16-byte aligned values.
           for (int64_t i = 4 * (tiles + 1); i < values_offset - index_offset; i += 4) index[i / 4] = 0u;
@@ -138,29 +182,34 @@ __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kern
         }
       }
     }
-    // Phase 3: compact this thread's column segment into stage_s (tile-local positions),
-    // walking its set bits with ffs.
+    // Phase 3: compact this thread's column segment of each tile into stage_s (unit-local
+    // positions), walking its set bits with ffs.
     {
       const int c = tid & 63, g = tid >> 6;
-      const unsigned long long w = word_s[c];
-      uint32_t m = uint32_t(w >> (16 * g)) & 0xffffu;
-      uint32_t pos = colpre_s[c] + __popcll(w & ((1ull << (16 * g)) - 1ull));
-      while (m) {
-        const int r = __ffs(m) - 1;
-        m &= m - 1;
-        stage_s[pos++] = tile_s[(16 * g + r) * kTileRows + c];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const unsigned long long w = word_s[u][c];
+        uint32_t m = uint32_t(w >> (16 * g)) & 0xffffu;
+        uint32_t pos = colpre_s[u][c] + __popcll(w & ((1ull << (16 * g)) - 1ull));
+        while (m) {
+          const int r = __ffs(m) - 1;
+          m &= m - 1;
+          stage_s[pos++] = tile_s[u * kTile + (16 * g + r) * kTileRows + c];
+        }
       }
     }
-    if (warp != 0 && next < tiles) {
+    if (warp != 0 && next < units) {
       regs.prepare(source, next);
       add_count_and_publish(regs, next, lb, &next_count_s, &arrived_s);
     }
     __syncthreads();
 
     const int64_t after = claim_s[0];
-    pending = total_s;
+    pending = 0;
+#pragma unroll
+    for (int u = 0; u < U; ++u) pending += total_s[u];
     pending_base = prefix_s;
-    tile = next;
+    unit = next;
     next = after;
   }
   copy_out(stage_s, pending, pending_base, values, value_room);
@@ -447,11 +496,12 @@ template <typename Tile>
 void launch_compress(const typename Tile::Source& source, int64_t n, uint8_t* out, int64_t capacity, void* scratch,
                      int64_t* nnz, cudaStream_t stream) {
   const PiciOffsets off(n);
-  check_cuda(cudaMemsetAsync(scratch, 0, compress_scratch_bytes(off.tiles), stream), "cudaMemsetAsync");
+  const int64_t units = (off.tiles + Tile::kUnit - 1) / Tile::kUnit;  // the look-back's steps
+  check_cuda(cudaMemsetAsync(scratch, 0, compress_scratch_bytes(units), stream), "cudaMemsetAsync");
   auto kernel = pici_compress_kernel<Tile>;
-  const int blocks = resident_blocks(kernel, off.tiles);
+  const int blocks = resident_blocks(kernel, units);
   kernel<<<blocks, kThreads, 0, stream>>>(source, off.tiles, out, capacity, off.index_offset, off.values_offset,
-                                          look_back_state(scratch, off.tiles), nnz);
+                                          look_back_state(scratch, units), nnz);
   check_launch("pici_compress_kernel");
 }
 

@@ -1,6 +1,7 @@
 // What the Pici compressor reads a tile from: a range as it is (PlainTile), or a gradient pruned
 // on the fly with leaky error feedback (PruneTile). Both hold one thread's share of a tile in
-// registers, in TileRegisters' layout, and offer the compressor the same four calls:
+// registers, in TileRegisters' layout, name how many tiles the compressor takes per step (kUnit),
+// and offer it the same four calls:
 //   load(source, tile)     issue the tile's loads (they land while the block works on another);
 //   prepare(source, tile)  turn what landed into the values to encode (before counting them);
 //   count_nonzero()        this thread's nonzeros of the prepared tile;
@@ -16,16 +17,28 @@
 
 namespace spccl {
 
-// The same for 16-bit elements, whose tiles take half the shared memory: measured on H200 (1 GiB
-// bf16, fraction of copy at 50 / 90 / 99% sparsity): 5: 0.49 / 0.48 / 0.49; 6: the same;
-// 8: 0.52 / 0.52 / 0.52; 10: 0.51 / 0.51 / 0.52 (bench/results/2026-11-26_wire/README.md).
+// Tiles of 16-bit elements a compressor block takes per step (one claim, one look-back, one chain
+// of barriers): 2 give it a 32-bit tile's bytes per step. Measured on H100 (1 GiB bf16, fraction
+// of copy at 50 / 90 / 95 / 99 / 99.9% sparsity): 1 tile, 8 blocks: 0.79 / 0.79 / 0.80 / 0.81 /
+// 0.82; 2 tiles, 5 blocks: 0.83 / 0.85 / 0.86 / 0.88 / 0.90; 2 tiles, 6 blocks (40 registers,
+// 32 bytes spilled): 0.77 / 0.78 / 0.79 / 0.81 / 0.82 (bench/results/2026-11-26_pairs/).
+#ifndef SPCCL_COMPRESS_UNIT_16
+#define SPCCL_COMPRESS_UNIT_16 2
+#endif
+
+// Minimum resident blocks per SM of the 16-bit compressor (caps its registers). One tile per
+// step, measured on H200 (1 GiB bf16, fraction of copy at 50 / 90 / 99% sparsity): 5: 0.49 /
+// 0.48 / 0.49; 6: the same; 8: 0.52 / 0.52 / 0.52; 10: 0.51 / 0.51 / 0.52
+// (bench/results/2026-11-26_wire/README.md). Two tiles per step: 5 (48 registers, 35 KB of
+// shared memory per block), as above.
 #ifndef SPCCL_COMPRESS_MIN_BLOCKS_16
-#define SPCCL_COMPRESS_MIN_BLOCKS_16 8
+#define SPCCL_COMPRESS_MIN_BLOCKS_16 (SPCCL_COMPRESS_UNIT_16 == 1 ? 8 : 5)
 #endif
 
 template <typename T>
 struct PlainTile {
   using Bits = T;
+  static constexpr int kUnit = sizeof(T) == 2 ? SPCCL_COMPRESS_UNIT_16 : 1;
   static constexpr int kMinBlocks = sizeof(T) == 2 ? SPCCL_COMPRESS_MIN_BLOCKS_16 : SPCCL_COMPRESS_MIN_BLOCKS;
   struct Source {
     const T* src;
@@ -64,6 +77,7 @@ struct PruneTile {
   static constexpr int kErrorBytes = kVec * int(sizeof(E));  // one vector of error elements
   // Twice the registers of a plain tile in flight: fewer resident blocks than the plain compressor.
   static constexpr int kMinBlocks = SPCCL_PRUNE_MIN_BLOCKS;
+  static constexpr int kUnit = 1;
   struct Source {
     const Bits* grad;
     EBits* error;
