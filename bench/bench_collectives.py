@@ -66,7 +66,9 @@ sparsity 0-99.9 %, every method)::
 
 Add ``--patterns all`` for the structured patterns, ``--channels 1,2,4`` and
 ``--thresholds-sweep`` for the sweeps, ``--cuda-graphs`` to time the spccl methods replayed from
-CUDA graphs (``CollectiveConfig.cuda_graphs``: one count exchange per call, then a replay). Here, to check the script (CPU, gloo, tiny sizes)::
+CUDA graphs (``CollectiveConfig.cuda_graphs``: one count exchange per call, then a replay),
+``--check-calls first`` to run them with ``CollectiveConfig.check_calls="first"`` (``auto`` holds
+a shape it clearly leaves to the native collective, with no exchange). Here, to check the script (CPU, gloo, tiny sizes)::
 
     torchrun --standalone --nproc-per-node=2 bench/bench_collectives.py --smoke --out-dir /tmp/x
 
@@ -187,6 +189,8 @@ class _Settings:
     plot: bool
     smoke: bool
     graphs: bool = False
+    check_calls: str = "every"
+    """``CollectiveConfig.check_calls`` of the spccl methods."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -430,6 +434,13 @@ def _settings(argv: list[str] | None) -> _Settings:
         "from its third run on (output names end in _graphs)",
     )
     parser.add_argument(
+        "--check-calls",
+        choices=("every", "first"),
+        default="every",
+        help="CollectiveConfig.check_calls of the spccl methods: 'first' lets auto run a shape it clearly leaves to "
+        "the native collective with no count exchange (output names end in _first; default every)",
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="check the script on the CPU (gloo): tiny sizes, few iterations"
     )
     args = parser.parse_args(argv)
@@ -470,6 +481,7 @@ def _settings(argv: list[str] | None) -> _Settings:
         plot=not args.no_plot,
         smoke=smoke,
         graphs=args.cuda_graphs,
+        check_calls=args.check_calls,
         emulate_nodes=args.emulate_nodes,
     )
 
@@ -500,6 +512,7 @@ def _methods(settings: _Settings) -> list[_Method]:
                     ranks_per_node=settings.ranks_per_node,
                     channels=channels,
                     cuda_graphs=settings.graphs,
+                    check_calls=settings.check_calls,
                 )
                 out.append(_Method(name, fmt, algorithm, channels, scale, config))
     return out
@@ -982,7 +995,7 @@ def _line(r: _Row) -> str:
 
 _FIELDS = [
     "date", "device", "torch", "commit", "world_size", "ranks_per_node", "backend", "emulated_nodes", "devices_used",
-    "measured", "corrections",
+    "check_calls", "measured", "corrections",
     "collective", "method", "format",
     "algorithm", "channels", "threshold_scale", "thresholds", "dtype", "pattern", "size_bytes", "sparsity",
     "input_sparsity", "output_sparsity", "time_ms", "time_min_ms", "time_max_ms", "algbw_GBps", "busbw_GBps",
@@ -1277,11 +1290,13 @@ def _main(settings: _Settings, env: _Env) -> int:
         "backend": env.backend,
         "emulated_nodes": settings.emulate_nodes,
         "devices_used": _devices_used(env),
+        "check_calls": settings.check_calls,
     }
     name = f"collectives_{benchlib.slug(device_name)}x{env.world}"
     if settings.emulate_nodes > 1:
         name += f"_{settings.emulate_nodes}nodes"
     name += f"_{now.date().isoformat()}" + ("_graphs" if settings.graphs else "")
+    name += "_first" if settings.check_calls == "first" else ""
     stem, taken = settings.out_dir / name, 1
     while stem.with_suffix(".csv").exists():  # never overwrite an earlier run's results
         taken += 1

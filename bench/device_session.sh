@@ -8,6 +8,7 @@
 #                                                 # the shipped SpCCL config, then dense, 100 iterations each
 #   bash bench/device_session.sh gpus             # one rank per GPU: all-reduce sweep as emulated nodes (n x 1, and
 #                                                 # on 4+ GPUs 2 x n/2 with the hierarchical all-reduce), then NVLink
+#                                                 # (with check_calls "every", then "first")
 # A/B of codec builds (the working tree against packed commits, one machine): bench/ab_codecs.sh.
 # TRAIN (default "spccl dense") picks the training runs; MODEL (default GPT-2 large, the largest GPT-2 of
 # which two ranks fit one 80 GB GPU) overrides the model of the GPT-2 XL configs.
@@ -92,6 +93,9 @@ while [ $# -gt 0 ]; do
       fi
       stage "sweep_gpus_nvlink" torchrun --standalone --nproc-per-node="$n" bench/bench_collectives.py \
         "${sweep_grid[@]}" --sizes 256M,1G --dtype "${DTYPES:-fp32,bf16}" --time-limit-s 100
+      # the same with check_calls="first": auto holds a shape NCCL clearly wins, with no exchange
+      stage "sweep_gpus_nvlink_first" torchrun --standalone --nproc-per-node="$n" bench/bench_collectives.py \
+        "${sweep_grid[@]}" --sizes 256M,1G --dtype "${DTYPES:-fp32,bf16}" --check-calls first --time-limit-s 100
       shift
       ;;
     *)

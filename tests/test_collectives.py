@@ -433,6 +433,40 @@ def test_native_calls_skip_the_exchange_once_checked(pools):
     assert got[0] == [(1, "table"), (0, ""), (0, ""), (1, "table"), (0, ""), (1, "table"), (1, "table"), (1, "table")]
 
 
+def _job_native_held(rank, world, seed):
+    """``check_calls="first"``: a shape whose exchanged call chose native clearly (dense data: no
+    candidate sends anything sparse) runs native unexchanged for 1, 2, 4, ... calls between
+    exchanges; when the data turns sparse, the next exchange sees it and the hold ends."""
+    slow = LinkCost(latency_s=1e-5, bandwidth=1e8)  # sparse wins on sparse data, not on dense data
+    model = dataclasses.replace(CostModel.default("cpu"), intra=slow, inter=slow)
+    cfg = CollectiveConfig(check_calls="first", cost_model=model)
+    n = 1 << 16
+    gen = torch.Generator().manual_seed(seed)
+    seen = []
+    for call in range(14):
+        sparse = call >= 7
+        xs = [torch.randint(1, 9, (n,), generator=gen).float() for _ in range(world)]
+        if sparse:  # 99% sparse: one element in a hundred kept, at random places
+            xs = [x * (torch.rand(n, generator=gen) < 0.01) for x in xs]
+        x = xs[rank].clone()
+        spccl_train.all_reduce(x, config=cfg)
+        assert torch.equal(x, sum(xs)), f"call {call}"
+        stats = last_stats()
+        seen.append((stats.exchanges > 0, stats.algorithm))
+    return seen, hashlib.sha256(x.numpy().tobytes()).hexdigest()
+
+
+def test_a_clearly_native_shape_is_held_without_exchanges(pools):
+    got = pools(3).run(_job_native_held, _seed("held"))
+    assert all(g == got[0] for g in got), "every rank holds alike, and ends with the same bits"
+    seen, _ = got[0]
+    exchanged = [e for e, _ in seen]
+    # dense calls 0-6: exchanged, held 1; exchanged, held 2; exchanged, held 4 (calls 6-9, the
+    # last three on sparse data); call 10 exchanges, sees the sparsity and goes sparse from then on
+    assert exchanged == [True, False, True, False, False, True, False, False, False, False, True, True, True, True]
+    assert all(a == "native" for _, a in seen[:10]) and all(a != "native" for _, a in seen[10:]), seen
+
+
 def _job_world1(rank, world, seed):
     for collective in COLLECTIVES:
         for fmt in ("pici", "coo", "dense", "auto"):

@@ -26,7 +26,7 @@ from ..formats.layout import element_size
 from ..transport import P2PTransport
 from . import hierarchical
 from ._wire import StatusSink
-from .choice import NATIVE_MARGIN, Candidate, decide, plan_candidate
+from .choice import NATIVE_MARGIN, Candidate, clearly_native, decide, plan_candidate
 from .chunking import ChunkLayout, count_nonzero_pieces
 from .config import CollectiveConfig
 from .context import corrections_of, model_of, nodes_code, ranks_per_node, transport_of
@@ -461,6 +461,8 @@ def _run(
         collective, config, key, counts, layout, inp.dtype, topology, r, model, factors, default_group, rounds,
         bounds is not None, prefer,
     )  # fmt: skip
+    if bounds is None and config.check_calls == "first" and config.algorithm == "auto" and config.format == "auto":
+        state_of(transport).holds.decided(_signature(request), clearly_native(choice))
     if choice.algorithm == "hierarchical":  # auto chose it: the steps exchange and plan on the node subgroups
         chosen = (choice.predicted_s, weighed)
         return decoded_first(
@@ -621,10 +623,12 @@ def _goes_native_unexchanged(
 ) -> bool:
     """Whether this call runs the native collective without a count exchange: ``check_calls="first"``,
     ``auto`` may choose native (``format`` auto or dense, ``algorithm`` auto), an exchange already
-    checked this call's shape on every rank of the group, and no sparse candidate can win: even
-    its lower bound (:meth:`.cost.CostModel.least_sparse`, what any data would cost it at least),
-    corrected by what the group learned, misses native's prediction by :data:`NATIVE_MARGIN`.
-    Every input is equal on every rank (the shape, the config, the model and its corrections), so
+    checked this call's shape on every rank of the group, and either the shape is held native
+    (:class:`.state.NativeHolds`: its last exchanged call chose native clearly; this spends one
+    call of the hold) or no sparse candidate can win: even its lower bound
+    (:meth:`.cost.CostModel.least_sparse`, what any data would cost it at least), corrected by
+    what the group learned, misses native's prediction by :data:`NATIVE_MARGIN`. Every input is
+    equal on every rank (the shape, the config, the model, its corrections and the holds), so
     every rank decides alike, as long as their calls have the same shape."""
     if (
         config.check_calls != "first"
@@ -635,7 +639,7 @@ def _goes_native_unexchanged(
         or _signature(request) not in state_of(transport).checked
     ):
         return False
-    if config.format == "dense":
+    if config.format == "dense" or state_of(transport).holds.take(_signature(request)):
         return True
     topology = Topology(transport.world, rpn)
     rounds = exchange_rounds(protocol(transport.world), collective)

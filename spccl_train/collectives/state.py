@@ -7,14 +7,15 @@ here would outlive ``destroy_process_group``, and its backend's threads the inte
 - its ranks per node as the launch describes them (:func:`~.context.group_ranks_per_node`);
 - its measured cost models (:mod:`.links`, probed on its first call) and the corrections learned
   from its calls' times (:mod:`.feedback`), equal on every rank of the group;
-- the call shapes an exchange has checked on every rank (``check_calls="first"``);
+- the call shapes an exchange has checked on every rank (``check_calls="first"``), and those
+  whose exchanged calls chose the native collective by a clear margin (:class:`NativeHolds`);
 - the subgroups of its hierarchical collectives (:mod:`.hierarchical`).
 
 Every rank of a group changes its state alike (the same calls, the same exchanged figures), so the
 ranks' decisions stay equal without a synchronisation of their own.
 
 **Memos** (:class:`Memo`): pure functions' results by their inputs (decisions, hierarchical step
-weighings, weighing terms, bounded plans, ...). Forgetting one costs only its recomputation, so
+curves, weighing terms, bounded plans, ...). Forgetting one costs only its recomputation, so
 each forgets everything when full, and :func:`clear_memos` forgets them all (to time the cold path).
 
 Elsewhere, for their own reasons: captured CUDA graphs and the bounds they were captured with
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from ..transport import P2PTransport
 from .feedback import Corrections
 
-__all__ = ["GroupState", "Memo", "clear_memos", "group_state", "live_states", "state_of"]
+__all__ = ["GroupState", "Memo", "NativeHolds", "clear_memos", "group_state", "live_states", "state_of"]
 
 
 class Memo(dict):
@@ -64,10 +65,50 @@ def clear_memos(*names: str) -> None:
             memo.clear()
 
 
+class NativeHolds:
+    """``check_calls="first"``: call shapes whose exchanged calls chose the native collective by a
+    clear margin (:data:`~.choice.HOLD_MARGIN`) run it for a while with no exchange at all (as
+    a DDP bucket on NVLink, where the exchange alone costs half of NCCL's call), then one call is
+    exchanged again to see whether the data changed. The hold doubles while the re-checks confirm
+    it (1, 2, 4, ... calls, at most :data:`MAX_HOLD`) and ends at the first that does not. Every
+    rank sees the same decisions, so every rank holds alike."""
+
+    MAX_HOLD = 16
+    """Calls run native in a row at most before a re-check: a sparsity that changes (pruning that
+    starts after dense warm-up steps) is seen within this many calls, and a re-check costs at most
+    1/17 of the calls an exchange."""
+
+    __slots__ = ("_holds",)
+
+    def __init__(self) -> None:
+        self._holds: dict[Hashable, list[int]] = {}
+        """``{signature: [calls left, hold]}``."""
+
+    def take(self, signature: Hashable) -> bool:
+        """Whether this call of ``signature`` runs native unexchanged (one call of the hold spent)."""
+        hold = self._holds.get(signature)
+        if hold is None or hold[0] == 0:
+            return False
+        hold[0] -= 1
+        return True
+
+    def decided(self, signature: Hashable, clearly_native: bool) -> None:
+        """An exchanged call of ``signature`` chose: native by a clear margin starts or doubles the
+        hold; anything else ends it."""
+        if not clearly_native:
+            self._holds.pop(signature, None)
+            return
+        if len(self._holds) >= 1024:  # every rank forgets alike
+            self._holds.clear()
+        previous = self._holds.get(signature)
+        span = 1 if previous is None else min(2 * previous[1], self.MAX_HOLD)
+        self._holds[signature] = [span, span]
+
+
 class GroupState:
     """One process group's state (see the module's text)."""
 
-    __slots__ = ("transport", "nodes", "measured", "corrections", "checked", "subgroups", "__weakref__")
+    __slots__ = ("transport", "nodes", "measured", "corrections", "checked", "holds", "subgroups", "__weakref__")
 
     def __init__(self, transport: P2PTransport) -> None:
         self.transport = transport
@@ -78,6 +119,8 @@ class GroupState:
         self.corrections = Corrections()
         self.checked: set[tuple[int, ...]] = set()
         """Signatures of the call shapes an exchange checked on every rank."""
+        self.holds = NativeHolds()
+        """Call shapes that run native without an exchange for now (``check_calls="first"``)."""
         self.subgroups: dict[int, tuple] = {}
         """``{ranks_per_node: (intra, inter)}``: this rank's node and cross-node subgroups."""
 
