@@ -22,6 +22,7 @@ your machine in ``CollectiveConfig.cost_model``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -205,8 +206,9 @@ class CostModel:
         )
 
     def fingerprint(self) -> str:
-        """Canonical text of every figure (part of the config check across ranks)."""
-        return repr(dataclasses.astuple(self))
+        """Canonical text of every figure (part of the config check across ranks; made once per
+        model, since every call of a config asks for it)."""
+        return _fingerprint(self)
 
     def codec(self, fmt: Format) -> CodecCost:
         """The codec costs of a sparse format."""
@@ -358,3 +360,8 @@ def _positive(obj: object, name: str, allow_zero: bool = False) -> None:
     if not ok or not (value >= 0 if allow_zero else value > 0):
         need = "a finite number >= 0" if allow_zero else "a finite number > 0"
         raise ValueError(f"{type(obj).__name__}.{name}={value!r} must be {need}")
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(model: CostModel) -> str:
+    return repr(dataclasses.astuple(model))
