@@ -131,17 +131,12 @@ def predict(
     densest = int(held.argmax())
     node = min(1.0, int(held[densest]) / (local * max(1, layout.numel)))  # its ranks' mean density
     mean = min(1.0, int(held.sum()) / (p * max(1, layout.numel)))
-    fingerprint = config.fingerprint()
-
-    def step(collective: str, level: str, d: float, numel: int, world: int) -> tuple[float, bool]:
-        elements = numel // world if collective == "all_gather" else numel  # what each of its ranks holds
-        curve = _curve(collective, level, config, fingerprint, numel, world, layout.channels, dtype, model, weigh_batch)
-        return curve[round_count(round(d * elements), elements)]
-
+    within, across, gathered = _step_curves(config, padded, local, nodes, layout.channels, dtype, model, weigh_batch)
+    per_node = padded // local  # what each rank holds of the steps across nodes and of the gather
     steps = [
-        step("reduce_scatter", "within", node, padded, local),
-        step("all_reduce", "across", 1 - _power(1 - node, local), padded // local, nodes),
-        step("all_gather", "within", 1 - _power(1 - mean, p), padded, local),
+        within[round_count(round(node * padded), padded)],
+        across[round_count(round((1 - _power(1 - node, local)) * per_node), per_node)],
+        gathered[round_count(round((1 - _power(1 - mean, p)) * per_node), per_node)],
     ]
     return sum(t for t, _ in steps), any(sparse for _, sparse in steps)
 
@@ -158,11 +153,39 @@ def _power(x: float, k: int) -> float:
     return out
 
 
+def _step_curves(
+    config: CollectiveConfig,
+    padded: int,
+    local: int,
+    nodes: int,
+    channels: int,
+    dtype: torch.dtype,
+    model: CostModel,
+    weigh_batch: Callable[..., list],
+) -> tuple[dict[int, tuple[float, bool]], ...]:
+    """The curves (:func:`_curve`) of the three steps of a hierarchical all-reduce of ``padded``
+    elements on ``nodes`` nodes of ``local`` ranks: the reduce-scatter inside a node, the
+    all-reduce across nodes, the all-gather inside a node. Made once per shape, config and model
+    (memoised; ranks make the same curves from the same inputs)."""
+    key = (config.fingerprint(), padded, local, nodes, channels, dtype, model, weigh_batch)
+    hit = _curves.get(key)
+    if hit is None:
+        within, across = _within(config), _across(config)
+        hit = _curves.put(
+            key,
+            (
+                _curve("reduce_scatter", within, None, padded, local, channels, dtype, model, weigh_batch),
+                _curve("all_reduce", across, 1, padded // local, nodes, channels, dtype, model, weigh_batch),
+                _curve("all_gather", within, None, padded, local, channels, dtype, model, weigh_batch),
+            ),
+        )
+    return hit
+
+
 def _curve(
     collective: str,
-    level: str,
-    config: CollectiveConfig,
-    fingerprint: str,
+    cfg: CollectiveConfig,
+    rpn: int | None,
     numel: int,
     world: int,
     channels: int,
@@ -170,16 +193,11 @@ def _curve(
     model: CostModel,
     weigh_batch: Callable[..., list],
 ) -> dict[int, tuple[float, bool]]:
-    """A step's weighing (``level``: ``"within"`` a node or ``"across"`` nodes) at every count of
-    nonzeros its ranks' density can round to (:func:`.summary.count_levels`, about 16 per octave:
-    450 for 2**28 elements), every rank of the step holding that many: ``{count: (seconds, sends
-    sparse)}``. One batch of array work per :data:`_BATCH` table elements (a few milliseconds
-    per curve at 8 ranks per node), memoised; ranks make the same curves from the same inputs."""
-    key = (collective, level, fingerprint, numel, world, channels, dtype, model, weigh_batch)
-    hit = _curves.get(key)
-    if hit is not None:
-        return hit
-    cfg, rpn = (_within(config), None) if level == "within" else (_across(config), 1)
+    """A step's weighing, as ``cfg`` on ``world`` ranks (``rpn``: none within a node, one per node
+    across), at every count of nonzeros its ranks' density can round to
+    (:func:`.summary.count_levels`, about 16 per octave: 450 for 2**28 elements), every rank of the
+    step holding that many: ``{count: (seconds, sends sparse)}``. One batch of array work per
+    :data:`_BATCH` table elements (a few milliseconds per curve at 8 ranks per node)."""
     sub = ChunkLayout.of(collective, numel, world, channels)
     topology = Topology(world, rpn)
     sizes = np.array([piece.numel for chunk in sub.pieces for piece in chunk], dtype=np.float64)
@@ -187,8 +205,7 @@ def _curve(
         sizes[channels:] = 0
     held = numel // world if collective == "all_gather" else numel
     counts = count_levels(held)
-    how = protocol(world)  # each step exchanges its counts as its subgroup's size says
-    rounds = exchange_rounds(how, collective)
+    rounds = exchange_rounds(protocol(world), collective)  # each step exchanges as its subgroup's size says
     out = {}
     block = max(1, _BATCH // (world * sizes.size))
     for start in range(0, len(counts), block):
@@ -200,14 +217,14 @@ def _curve(
         )
         for count, (chosen, _) in zip(part, weighed):
             out[count] = (chosen.predicted_s, chosen.algorithm != "native")
-    return _curves.put(key, out)
+    return out
 
 
 _BATCH = 1 << 21
 """:func:`_curve`'s table elements per batch (16 MiB of int64)."""
 
 _curves = Memo("hierarchical curves", 64)
-""":func:`_curve`'s curves by their inputs."""
+""":func:`_step_curves` by their inputs."""
 
 
 def is_world(group: dist.ProcessGroup | None) -> bool:

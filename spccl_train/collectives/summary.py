@@ -342,8 +342,7 @@ def _levels(n: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
     return floors[::-1].copy(), levels
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Prediction:
+class Prediction(NamedTuple):
     """A candidate's predicted seconds, and whether any of its messages would travel sparse."""
 
     seconds: float
@@ -412,7 +411,8 @@ def predict_variants(
         if ring:
             gathered = _ring_gather(model, summary, np.stack(sized, axis=-3), size, fmts, taus)
         else:  # [..., v, k, c]: a chunk's pieces summed along an outer axis, the cheap way
-            payloads = np.moveaxis(np.array([np.swapaxes(x, -1, -2) for x in sized]), 0, -3)
+            payloads = np.array([np.swapaxes(x, -1, -2) for x in sized])
+            payloads = np.moveaxis(payloads, 0, -3) if payloads.ndim > 3 else payloads  # a batch's axes first
             gathered = [[step] for step in _columns(*_direct_gather(model, summary, payloads, size, fmts, taus))]
         for taken, more in zip(steps, gathered):
             taken += more
