@@ -330,18 +330,48 @@ def test_a_batch_of_summaries_weighs_as_each_alone(collective, world, rpn, chann
     )
     rounds = data.draw(st.integers(1, 3))
     got = weigh_batch(
-        CountSummary.of(collective, tables, layout, topology), cfg, F32, model, rounds=rounds, rings=False
+        CountSummary.of(collective, tables, layout, topology, batch=True), cfg, F32, model, rounds=rounds, rings=False
     )
     for table, each in zip(tables, got):
         alone = weigh(CountSummary.of(collective, table, layout, topology), cfg, F32, model, rounds=rounds, rings=False)
         assert each == alone
 
 
+def test_a_batch_of_one_rank_and_a_table_as_cubes():
+    """A one-rank layout's batch is the planning alone for each table; a single table may come as
+    a ``(world, world, channels)`` cube, as before batches (it is a batch only when asked)."""
+    one = ChunkLayout.of("all_reduce", 2 * TILE, 1)
+    got = weigh_batch(
+        CountSummary.of("all_reduce", np.zeros((3, 1, 1)), one, Topology(1), batch=True),
+        CollectiveConfig(),
+        F32,
+        _model(),
+        rings=False,
+    )
+    alone = weigh(
+        CountSummary.of("all_reduce", np.zeros((1, 1)), one, Topology(1)),
+        CollectiveConfig(),
+        F32,
+        _model(),
+        rings=False,
+    )
+    assert got == [alone] * 3
+    layout = ChunkLayout.of("all_reduce", 8 * TILE, 4, 2)
+    flat = _table(layout, 0.01)
+    cube = np.array(flat).reshape(4, 4, 2)
+    for collective in ("all_reduce", "all_gather"):
+        assert weigh(
+            CountSummary.of(collective, cube, layout, Topology(4)), CollectiveConfig(), F32, _model()
+        ) == weigh(CountSummary.of(collective, flat, layout, Topology(4)), CollectiveConfig(), F32, _model())
+
+
 def test_a_batch_refuses_rings():
     layout = ChunkLayout.of("all_reduce", 4 * TILE, 4)
     tables = np.zeros((2, 4, 4), dtype=np.int64)
     with pytest.raises(ValueError, match="a ring is weighed one summary at a time"):
-        weigh_batch(CountSummary.of("all_reduce", tables, layout, Topology(4)), CollectiveConfig(), F32, _model())
+        weigh_batch(
+            CountSummary.of("all_reduce", tables, layout, Topology(4), batch=True), CollectiveConfig(), F32, _model()
+        )
 
 
 @settings(deadline=None, max_examples=60)

@@ -163,8 +163,8 @@ def weigh_batch(
     rounds: int = 1,
     rings: bool = True,
 ) -> list[tuple[Candidate, dict[str, float]]]:
-    """:func:`weigh` of each summary of a batch (:meth:`~.summary.CountSummary.of` of a table with
-    a leading axis), the array work done once for all: what :func:`.hierarchical.predict` weighs
+    """:func:`weigh` of each summary of a batch (:meth:`~.summary.CountSummary.of` with
+    ``batch=True``, one leading axis), the array work done once for all: what :func:`.hierarchical.predict` weighs
     its steps with, at every density of the decision grid. Rings are weighed one summary at a time
     (``rings`` must be false, or the config's algorithm not ``"auto"``/``"ring"``); the hierarchical
     candidate is not weighed (its steps are flat calls)."""

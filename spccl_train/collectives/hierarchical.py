@@ -213,7 +213,7 @@ def _curve(
         rows = np.rint(np.multiply.outer(np.array(part) / max(1, held), sizes)).astype(np.int64)  # [b, world * ch]
         table = np.broadcast_to(rows[:, None, :], (len(part), world, sizes.size))
         weighed = weigh_batch(
-            CountSummary.of(collective, table, sub, topology), cfg, dtype, model, rounds=rounds, rings=False
+            CountSummary.of(collective, table, sub, topology, batch=True), cfg, dtype, model, rounds=rounds, rings=False
         )
         for count, (chosen, _) in zip(part, weighed):
             out[count] = (chosen.predicted_s, chosen.algorithm != "native")

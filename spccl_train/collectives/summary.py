@@ -161,14 +161,16 @@ class CountSummary:
         return self.held / max(1, _held_elements(self.collective, self.layout))
 
     @classmethod
-    def of(cls, collective: str, table: object, layout: ChunkLayout, topology: Topology) -> CountSummary:
+    def of(
+        cls, collective: str, table: object, layout: ChunkLayout, topology: Topology, batch: bool = False
+    ) -> CountSummary:
         """Summarise an exchanged (or bounds) table: ``table[q]`` is rank ``q``'s ``world * channels``
-        piece counts (an all-gather reads each row's first ``channels``). A table with leading axes
-        (``[..., world, world * channels]``, an int64 array) is a batch of tables: each array of the
+        piece counts (an all-gather reads each row's first ``channels``). ``batch``: ``table`` has
+        leading axes (``[..., world, row]``, an int64 array), a table per index: each array of the
         summary then has the same leading axes, and :func:`predict_variants` weighs them at once."""
         p, ch = layout.world, layout.channels
         counts = np.asarray(table, dtype=np.int64)
-        lead = counts.shape[:-2] if counts.ndim > 2 else ()
+        lead = counts.shape[:-2] if batch else ()
         counts = counts.reshape(lead + (p, -1))
         n = _geometry(layout, topology).n
         if collective == "all_gather":
@@ -384,10 +386,14 @@ def predict_variants(
     """
     collective, layout = summary.collective, summary.layout
     size = element_size(dtype)
-    if layout.world == 1:
+    if layout.world == 1:  # no steps: the planning alone (over a batch, the same for each summary)
+        lead = summary.held.shape[:-1]
         return [
-            Prediction(model.planning(collective, layout.numel, dtype, 1, exchanges + (g == "measured")), False)
-            for _, _, g in variants
+            Prediction(np.full(lead, seconds) if lead else seconds, np.zeros(lead, dtype=bool) if lead else False)
+            for seconds in (
+                model.planning(collective, layout.numel, dtype, 1, exchanges + (g == "measured"))
+                for _, _, g in variants
+            )
         ]
     ring = algorithm == "ring"
     if ring and summary.held.ndim > 1:
