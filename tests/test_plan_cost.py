@@ -31,7 +31,7 @@ from spccl_train.collectives.plan import (
     plan_reduce_scatter,
 )
 from spccl_train.collectives.rank_plan import plan_all_gather_for
-from spccl_train.collectives.summary import CountSummary, _round, count_levels, predict, round_count
+from spccl_train.collectives.summary import CountSummary, _levels, _round, count_levels, predict, round_count
 from spccl_train.formats import TILE, Format, align16, pici_bytes
 
 F32 = torch.float32
@@ -287,6 +287,39 @@ def test_rounding_rounds_each_count_as_documented(sizes, data):
     counts = [data.draw(st.sampled_from([0, n, n + 1, min(n, 3), max(0, n - 2)]) | st.integers(0, n)) for n in sizes]
     got = _round(np.array(counts), np.array(sizes), 16).tolist()
     assert got == [_round_one(x, n) for x, n in zip(counts, sizes)]
+
+
+def _levels_exactly(n: int, steps: int) -> tuple[list[int], list[int]]:
+    """_levels in integers alone: the largest f with f**(2 steps) 2**(2k + 1) <= n**(2 steps), and
+    the nearest integer to n 2**(-j/steps) (halves to even), by bisection."""
+
+    def floor_root(a: int, b: int) -> int:  # the largest f with f**b 2**a <= n**b
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if (mid**b) << a <= n**b else (lo, mid - 1)
+        return lo
+
+    top = steps * n.bit_length() + 2
+    floors = [floor_root(2 * k + 1, 2 * steps) for k in range(top)]
+    levels = []
+    for j in range(top + 1):
+        f = floor_root(j, steps)
+        twice, half = (2 * n) ** steps, ((2 * f + 1) ** steps) << j
+        levels.append(min(n - 1, max(1, f + 1 if twice > half else f if twice < half else f + f % 2)))
+    return floors[::-1], levels
+
+
+@settings(deadline=None, max_examples=30)
+@given(
+    n=st.sampled_from([2, 3, 5, 6, 7, 12, 48, 96, 4096, 1 << 20]) | st.integers(2, 1 << 34),
+    steps=st.sampled_from([1, 2, 16]),
+)
+def test_the_rounding_levels_are_exact_integers(n, steps):
+    """The levels every rank rounds to come out of integer comparisons where a float could land
+    either side (halves, exact powers of two), so no machine's pow can move them."""
+    floors, levels = _levels(n, steps)
+    assert (floors.tolist(), levels.tolist()) == _levels_exactly(n, steps)
 
 
 @settings(deadline=None, max_examples=40)

@@ -337,11 +337,45 @@ def _level_lists(n: int, steps: int) -> tuple[list[int], list[int]]:
 def _levels(n: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
     """For size ``n``: the boundaries ``n 2**(-(k + 1/2)/steps)`` between levels ``k`` and ``k + 1``,
     ascending and rounded down to integers, and each level's count ``round(n 2**(-j/steps))``
-    clamped to [1, n - 1]."""
-    top = math.ceil(steps * math.log2(n)) + 2  # levels 0..top cover counts down to 1
-    floors = np.array([math.floor(n * 2.0 ** (-(k + 0.5) / steps)) for k in range(top)], dtype=np.int64)
-    levels = np.array([min(n - 1, max(1, round(n * 2.0 ** (-j / steps)))) for j in range(top + 1)], dtype=np.int64)
+    clamped to [1, n - 1]. The same integers on every machine: a float lands on the wrong side of
+    an integer (or a half) only within an ulp of it, and those few are settled in integers
+    (:func:`_floor_power`, :func:`_round_power`), not by the C library's ``pow``."""
+    top = steps * n.bit_length() + 2  # levels 0..top cover counts down to 1 (bit_length >= log2 n)
+    floors = np.array([_floor_power(n, 2 * k + 1, 2 * steps) for k in range(top)], dtype=np.int64)
+    levels = np.array([min(n - 1, max(1, _round_power(n, j, steps))) for j in range(top + 1)], dtype=np.int64)
     return floors[::-1].copy(), levels
+
+
+_NEAR = 1e-9
+"""How close (relative) a float ``n 2**(-a/b)`` may come to where its floor or rounding changes
+before :func:`_floor_power` and :func:`_round_power` settle it in integers (a library ``pow`` is
+off by an ulp at most, ~1e-16)."""
+
+
+def _floor_power(n: int, a: int, b: int) -> int:
+    """``floor(n 2**(-a/b))``, exact: ``f <= n 2**(-a/b)`` exactly when ``f**b 2**a <= n**b``."""
+    x = n * 2.0 ** (-a / b)
+    f = math.floor(x)
+    if x - f > _NEAR * x and f + 1 - x > _NEAR * x:
+        return f
+    power = n**b
+    while f > 0 and (f**b) << a > power:
+        f -= 1
+    while ((f + 1) ** b) << a <= power:
+        f += 1
+    return f
+
+
+def _round_power(n: int, j: int, s: int) -> int:
+    """``round(n 2**(-j/s))``, halves to even as Python's ``round``, exact: ``x >= f + 1/2`` exactly
+    when ``(2n)**s >= (2f + 1)**s 2**j``."""
+    x = n * 2.0 ** (-j / s)
+    f = math.floor(x)
+    if abs(x - f - 0.5) > _NEAR * max(x, 1.0):
+        return f + (x - f > 0.5)
+    f = _floor_power(n, j, s)
+    twice, half = (2 * n) ** s, ((2 * f + 1) ** s) << j
+    return f + 1 if twice > half else f if twice < half else f + f % 2
 
 
 class Prediction(NamedTuple):
