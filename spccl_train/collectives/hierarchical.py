@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from .._timing import Span
 from ..transport import P2PTransport
-from .chunking import ChunkLayout
+from .chunking import ChunkLayout, piece_arrays
 from .config import CollectiveConfig
 from .cost import CostModel
 from .exchange import exchange_rounds, protocol
@@ -200,7 +200,7 @@ def _curve(
     :data:`_BATCH` table elements (a few milliseconds per curve at 8 ranks per node)."""
     sub = ChunkLayout.of(collective, numel, world, channels)
     topology = Topology(world, rpn)
-    sizes = np.array([piece.numel for chunk in sub.pieces for piece in chunk], dtype=np.float64)
+    sizes = piece_arrays(sub)[0].ravel().astype(np.float64)  # [c * channels + k]: a table row's order
     if collective == "all_gather":  # a row's first pieces are its input's
         sizes[channels:] = 0
     held = numel // world if collective == "all_gather" else numel

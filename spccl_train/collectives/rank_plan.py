@@ -232,9 +232,7 @@ def _direct_geometry(rank: int, layout: ChunkLayout, topology: Topology, gather:
         counted = chunk * ch + piece
     else:
         counted = np.where(src == rank, chunk * ch + piece, p * ch + src * ch + piece)
-    n = n_all[chunk, piece]
-    tiles = -(-n // TILE)
-    meta = 512 * tiles + ((4 * (tiles + 1) + 15) & ~15)
+    n, meta = n_all[chunk, piece], _piece_terms(layout)[1][chunk, piece]
     fields = _Direct(src, dst, chunk, piece, start_all[chunk, piece], n, node[src] != node[dst], meta, counted)
     for a in fields:
         a.flags.writeable = False

@@ -250,7 +250,11 @@ class _Rounding:
         distinct, which = np.unique(self.sizes, return_inverse=True)
         self.which = which.reshape(-1)
         self.tables = [_levels(max(2, size), steps) for size in distinct.tolist()]
-        self.lists = (self.sizes.tolist(), self.which.tolist(), [(f.tolist(), lv.tolist()) for f, lv in self.tables])
+        self.lists = (
+            self.sizes.tolist(),
+            self.which.tolist(),
+            [_level_lists(size, steps) for size in distinct.tolist()],
+        )
         # Per size n, boundaries with 0 and n - 1 added and levels with n and 0 around them, so a
         # count of 0 or n looks itself up: a count's level is levels[len(floors) - #(floors < count)].
         ends = [
@@ -598,7 +602,7 @@ class _GatherTerms(NamedTuple):
     per_byte: tuple[float, float]
     """Seconds per byte inside a node, and across nodes."""
     latency: float
-    nodes: tuple[int, np.ndarray, np.ndarray] | None
+    nodes: tuple[np.ndarray, np.ndarray] | None
     """:func:`_from_others`'s node starts and each rank's node (``None``: one node)."""
 
 
@@ -632,7 +636,7 @@ def _gather_terms(
         reach=geo.peers[_INTRA] / bw[_INTRA] + geo.peers[_INTER] / bw[_INTER],
         per_byte=(1 / bw[_INTRA], 1 / bw[_INTER]),
         latency=waves * slowest,
-        nodes=None if rpn is None or rpn >= p else (rpn, np.arange(0, p, rpn), np.arange(p) // rpn),
+        nodes=None if rpn is None or rpn >= p else (np.arange(0, p, rpn), np.arange(p) // rpn),
     )
 
 
@@ -667,21 +671,16 @@ def _direct_gather(
 
 
 def _from_others(
-    nbytes: np.ndarray, intra: float, inter: float, nodes: tuple[int, np.ndarray, np.ndarray] | None
+    nbytes: np.ndarray, intra: float, inter: float, nodes: tuple[np.ndarray, np.ndarray] | None
 ) -> np.ndarray:
     """Per rank ``d`` (the last axis): the seconds of receiving every other rank's ``nbytes``, at
-    ``intra`` seconds per byte from its own node and ``inter`` from the others. ``nodes``: ranks
-    per node, where each node's ranks start, and each rank's node (``None``: one node)."""
+    ``intra`` seconds per byte from its own node and ``inter`` from the others. ``nodes``: where
+    each node's ranks start, and each rank's node (``None``: one node)."""
     others = nbytes.sum(-1, keepdims=True) - nbytes
     if nodes is None:
         return others * intra
-    rpn, starts, node = nodes
-    p = nbytes.shape[-1]
-    if p % rpn == 0:  # equal nodes: each node's ranks side by side
-        by_node = nbytes.reshape(nbytes.shape[:-1] + (p // rpn, rpn))
-        in_node = (by_node.sum(-1, keepdims=True) - by_node).reshape(nbytes.shape)
-    else:
-        in_node = np.add.reduceat(nbytes, starts, axis=-1)[..., node] - nbytes
+    starts, node = nodes
+    in_node = np.add.reduceat(nbytes, starts, axis=-1)[..., node] - nbytes
     return others * inter + in_node * (intra - inter)
 
 
