@@ -31,7 +31,15 @@ from spccl_train.collectives.plan import (
     plan_reduce_scatter,
 )
 from spccl_train.collectives.rank_plan import plan_all_gather_for
-from spccl_train.collectives.summary import CountSummary, _levels, _round, count_levels, predict, round_count
+from spccl_train.collectives.summary import (
+    CountSummary,
+    _levels,
+    _round,
+    _sparse_cap,
+    count_levels,
+    predict,
+    round_count,
+)
 from spccl_train.formats import TILE, Format, align16, pici_bytes
 
 F32 = torch.float32
@@ -368,6 +376,31 @@ def test_a_batch_of_summaries_weighs_as_each_alone(collective, world, rpn, chann
     for table, each in zip(tables, got):
         alone = weigh(CountSummary.of(collective, table, layout, topology), cfg, F32, model, rounds=rounds, rings=False)
         assert each == alone
+
+
+@given(
+    most=st.lists(st.integers(0, 300), min_size=1, max_size=12),
+    size=st.sampled_from([2, 4]),
+    coo=st.booleans(),
+    data=st.data(),
+)
+def test_a_sparse_cap_is_the_tests_it_replaces(most, size, coo, data):
+    """The weighings test ``count <= cap``; the cap holds the bits of the sparsity and payload
+    tests it replaces (a float sparsity over a threshold, a payload under the dense bytes) at
+    every count from 0 to the size: exhaustively, on random sizes, thresholds and headers."""
+    n = np.array(most, dtype=np.int64)
+    tau = np.array([data.draw(st.floats(0.0, 0.999)) for _ in most])
+    base = np.array([data.draw(st.integers(0, 64)) for _ in most], dtype=np.int64)
+    limit = np.where(np.array([data.draw(st.booleans()) for _ in most]), n * size, -1)
+
+    def sparse(x):
+        payload = base + x * size + (4 * ((x + 3) & ~3) if coo else 0)
+        return (1.0 - x / np.maximum(n, 1) > tau) & (payload < limit)
+
+    cap = _sparse_cap(sparse, n)
+    for x in range(int(n.max()) + 2):
+        counts = np.minimum(x, n)
+        assert ((counts <= cap) == sparse(counts)).all()
 
 
 def test_a_batch_of_one_rank_and_a_table_as_cubes():

@@ -337,12 +337,10 @@ def owner_terms(
     nonzeros followed by its nonzeros (summed over ranks).
     """
     n, n_safe, (first, last) = _owner_geometry(layout, topology, rank)
-    per_rank = np.stack([row, column]).sum(2)  # what it sends to, and receives from, each rank
-    (sent, received), (sent_own, received_own), (sent_node, received_node) = (
-        per_rank.sum(1).tolist(),
-        per_rank[:, rank].tolist(),
-        per_rank[:, first:last].sum(1).tolist(),
-    )
+    to, since = row.sum(1), column.sum(1)  # what it sends to, and receives from, each rank
+    sent, received = int(to.sum()), int(since.sum())
+    sent_own, received_own = int(to[rank]), int(since[rank])
+    sent_node, received_node = int(to[first:last].sum()), int(since[first:last].sum())
     maxima = [sent_node - sent_own, sent - sent_node, received_node - received_own, received - received_node]
     bound = np.minimum(n, column.sum(0))
     # sparsities(): an empty piece has no nonzeros, so 1 - 0 / 1 there

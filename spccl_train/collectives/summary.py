@@ -41,7 +41,7 @@ import bisect
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -450,13 +450,13 @@ def predict_variants(
         for taken, (fmt, _, _) in zip(steps, variants):
             taken += reduce[fmt]
     if collective != "reduce_scatter":
-        sized = [summary.estimate if g == "measured" else summary.bound for _, _, g in variants]
         fmts, taus = [f for f, _, _ in variants], [th.ag for _, th, _ in variants]
         if ring:
+            sized = [summary.estimate if g == "measured" else summary.bound for _, _, g in variants]
             gathered = _ring_gather(model, summary, np.stack(sized, axis=-3), size, fmts, taus)
         else:  # [..., v, k, c]: a chunk's pieces summed along an outer axis, the cheap way
-            payloads = np.array([np.swapaxes(x, -1, -2) for x in sized])
-            payloads = np.moveaxis(payloads, 0, -3) if payloads.ndim > 3 else payloads  # a batch's axes first
+            both = np.stack((summary.bound, summary.estimate), axis=-3).swapaxes(-1, -2)
+            payloads = both[..., [int(g == "measured") for _, _, g in variants], :, :]
             gathered = [[step] for step in _columns(*_direct_gather(model, summary, payloads, size, fmts, taus))]
         for taken, more in zip(steps, gathered):
             taken += more
@@ -505,6 +505,23 @@ def _codec_rates(model: CostModel, fmts: Sequence[Format], rate: str, axes: int)
     return calls, rates
 
 
+def _sparse_cap(sparse: Callable[[np.ndarray], np.ndarray], most: np.ndarray) -> np.ndarray:
+    """Per element, the largest count ``0 <= x <= most`` with ``sparse(x)``, or -1 if there is
+    none: ``sparse`` must be true up to some count and false above it (a sparsity falls and a
+    payload grows with the count), so a weighing tests ``count <= cap`` in one comparison, with
+    the bits of the tests it replaces. A bisection over whole arrays: O(log most) calls."""
+    low = np.full(np.shape(most), -1, dtype=np.int64)  # sparse at low (or low = -1)
+    high = np.asarray(most, dtype=np.int64) + 1  # not sparse at high (or high = most + 1)
+    while True:
+        open_ = high - low > 1
+        if not open_.any():
+            return low
+        mid = np.where(open_, (low + high) // 2, low.clip(0))
+        ok = sparse(mid)
+        low = np.where(open_ & ok, mid, low)
+        high = np.where(open_ & ~ok, mid, high)
+
+
 class _ReduceTerms(NamedTuple):
     base: np.ndarray
     """``[f, d, h, q]``: the payloads' bytes besides their values and COO indices: Pici metadata, or COO headers."""
@@ -515,13 +532,10 @@ class _ReduceTerms(NamedTuple):
     """Messages, at least 1 (a divisor)."""
     per_less_1: np.ndarray
     """``per - 1``: what a division rounding up adds."""
-    elems: np.ndarray
-    """At least 1 (a sparsity's divisor)."""
     dense_bytes: np.ndarray
-    limit: np.ndarray
-    """``[f, d, h, q]``: a sparse payload must be under it: the dense bytes, or -1 where the format
-    is dense or the rank has no messages of that kind."""
-    tau: np.ndarray
+    cap: np.ndarray
+    """``[f, d, h, q]``: the most nonzeros that still go sparse (-1: none do): :func:`_sparse_cap`
+    of the sparsity and payload tests."""
     msgs_per_bandwidth: np.ndarray
     """``[d, h, q]``: messages over the hop kind's bandwidth (seconds per byte of each message)."""
     codec: tuple[np.ndarray, np.ndarray]
@@ -540,15 +554,24 @@ def _reduce_terms(geo: _Geometry, model: CostModel, size: int, fmts: tuple, taus
     latency = np.array([geo.waves * link.latency_s for link in links])[:, None]
     coo = np.array([fmt is Format.COO for fmt in fmts]).reshape(f, 1, 1, 1)
     sends = (msgs > 0) & np.array([fmt is not Format.DENSE for fmt in fmts]).reshape(f, 1, 1, 1)
+    base = np.where(coo, msgs * COO_HEADER_BYTES, geo.meta)
+    coo_msgs = coo * msgs
+    per = np.maximum(msgs, 1)
+    elems = np.maximum(geo.elems, 1)
+    limit = np.where(sends, dense_bytes, -1)
+    tau = np.array(taus).reshape(f, 1, 2, 1)
+
+    def sparse(nnz: np.ndarray) -> np.ndarray:  # sparsities() over the threshold, payload under the dense bytes
+        payload = nnz * size + base + coo_msgs * _align16((4 * nnz + per - 1) // per)
+        return (1.0 - nnz / elems > tau) & (payload < limit)
+
     return _ReduceTerms(
-        base=np.where(coo, msgs * COO_HEADER_BYTES, geo.meta),
-        coo_msgs=coo * msgs if coo.any() else None,
-        per=np.maximum(msgs, 1),
-        per_less_1=np.maximum(msgs, 1) - 1,
-        elems=np.maximum(geo.elems, 1),
+        base=base,
+        coo_msgs=coo_msgs if coo.any() else None,
+        per=per,
+        per_less_1=per - 1,
         dense_bytes=dense_bytes,
-        limit=np.where(sends, dense_bytes, -1),
-        tau=np.array(taus).reshape(f, 1, 2, 1),
+        cap=_sparse_cap(sparse, np.broadcast_to(geo.elems, limit.shape)),
         msgs_per_bandwidth=msgs / np.array([link.grouped_bandwidth for link in links])[:, None],
         codec=(
             np.stack([msgs[0] * calls + dense_bytes[0] / compress, msgs[1] * calls + dense_bytes[1] / accumulate], 1),
@@ -574,8 +597,7 @@ def _direct_reduce(
     payload = nnz * size + t.base
     if t.coo_msgs is not None:  # a message's 4-byte indices, padded to 16 bytes
         payload = payload + t.coo_msgs * _align16((4 * nnz + t.per_less_1) // t.per)
-    sigma = 1.0 - nnz / t.elems  # sparsities(): 1.0 where a rank has nothing of that kind
-    sparse = (sigma > t.tau) & (payload < t.limit)  # [..., f, d, h, q]
+    sparse = nnz <= t.cap  # [..., f, d, h, q]
     per_message = (np.where(sparse, payload, t.dense_bytes) + t.per_less_1) // t.per  # bytes, rounded up
     wire = (_align16(per_message) * t.msgs_per_bandwidth).sum(-2)  # [..., f, d, q]
     codec = np.where(sparse, *t.codec).sum(-2)  # [..., f, d, q]: encoding, accumulating
@@ -584,13 +606,10 @@ def _direct_reduce(
 
 
 class _GatherTerms(NamedTuple):
-    limit: np.ndarray
-    """``[v, k, c]``: a sparse payload must be under it: the piece's dense bytes, or -1 where the
-    variant's format is dense or the piece empty."""
-    n: np.ndarray
-    """At least 1 (a sparsity's divisor)."""
+    cap: np.ndarray
+    """``[v, k, c]``: the most nonzeros of the piece that still go sparse in the variant (-1: none
+    do; a dense format or an empty piece): :func:`_sparse_cap` of the sparsity and payload tests."""
     dense_bytes: np.ndarray
-    tau: np.ndarray
     base: np.ndarray
     """``[v, k, c]``: a payload's bytes besides its values and (COO) indices: Pici metadata or the COO header."""
     coo: np.ndarray | None
@@ -622,11 +641,16 @@ def _gather_terms(
     kinds = [h for h in (_INTRA, _INTER) if geo.peers[h].max() > 0]
     slowest = max((model.link(h == _INTER).latency_s for h in kinds), default=0.0)
     p = geo.n.shape[0]
+    limit = np.where(has & sends, dense_bytes, -1)
+    n_safe = np.maximum(n, 1)
+    tau = np.array(taus).reshape(v, 1, 1)
+
+    def sparse(nnz: np.ndarray) -> np.ndarray:  # sparsities() over the threshold, payload under the dense bytes
+        return (1.0 - nnz / n_safe > tau) & (base + nnz * size + 4 * coo * ((nnz + 3) & ~3) < limit)
+
     return _GatherTerms(
-        limit=np.where(has & sends, dense_bytes, -1),
-        n=np.maximum(n, 1),
+        cap=_sparse_cap(sparse, np.broadcast_to(n, limit.shape)),
         dense_bytes=dense_bytes,
-        tau=np.array(taus).reshape(v, 1, 1),
         base=base,
         coo=4 * coo if coo.any() else None,
         codec=(
@@ -651,11 +675,10 @@ def _direct_gather(
     geo = _geometry(s.layout, s.topology)
     t = _terms(_gather_terms, geo, model, size, tuple(fmts), tuple(taus), s.topology.ranks_per_node)
     p = s.layout.world
-    sigma = 1.0 - payloads / t.n  # sparsities(): empty pieces are never sent
+    sparse = payloads <= t.cap  # empty pieces are never sent
     payload = t.base + payloads * size  # wire_format's, per format
     if t.coo is not None:  # 4-byte indices padded to 16 bytes: 4 * (nnz rounded up to 4)
         payload += t.coo * ((payloads + 3) & ~3)
-    sparse = (sigma > t.tau) & (payload < t.limit)
     nbytes = _align16(np.where(sparse, payload, t.dense_bytes))  # [..., v, k, c]: packed (empty pieces: 0)
     codec = np.where(sparse[..., None, :, :], *t.codec).sum(-2)  # [..., v, 2, c]
     enc, dec = codec[..., 0, :], codec[..., 1, :]
