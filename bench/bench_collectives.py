@@ -276,6 +276,12 @@ class _Row:
     auto_vs_best: float | None = None
     """``auto/auto`` rows: their time over the best fixed candidate's (``nccl`` or a pici / coo
     method with ring or direct) at the same point; 1.0 is as good as the best."""
+    exchanges: str = ""
+    """The spccl calls' planning exchanges, per timed call (``"1 1 2"``): an all-reduce whose gather
+    phase was measured pays a second one, a call run native under ``check_calls="first"`` none."""
+    gather_counts: str = ""
+    """All-reduce: how the timed calls sized their gather phases (``"bound"``, ``"measured"``;
+    several, separated by ``>``, where they changed)."""
     warmup: int = 0
     settle: int = 0
     """Untimed calls ``--settle`` gave ``auto`` before timing (0 for fixed methods)."""
@@ -902,6 +908,9 @@ def _measure(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _R
                 now = f"{stats.algorithm}/{stats.format.value}"
                 if not row.chosen.endswith(now):
                     row.chosen = f"{row.chosen}>{now}"
+                row.exchanges = f"{row.exchanges} {stats.exchanges}".strip()
+                if stats.gather_counts and not row.gather_counts.endswith(stats.gather_counts):
+                    row.gather_counts = f"{row.gather_counts}>{stats.gather_counts}".lstrip(">")
         ok = ok and _matches(case)
         if case.collective != "all_reduce":
             ok = ok and _bits_sum(case.x0) == case.fingerprint
@@ -1000,7 +1009,8 @@ _FIELDS = [
     "algorithm", "channels", "threshold_scale", "thresholds", "dtype", "pattern", "size_bytes", "sparsity",
     "input_sparsity", "output_sparsity", "time_ms", "time_min_ms", "time_max_ms", "algbw_GBps", "busbw_GBps",
     "bytes_sent", "dense_bytes", "bytes_ratio", "chosen", "message_formats", "speedup_vs_nccl", "speedup_vs_naive",
-    "predicted_ms", "auto_vs_best", "warmup", "settle", "iters", "peak_mem_GiB", "verified", "error",
+    "predicted_ms", "auto_vs_best", "exchanges", "gather_counts", "warmup", "settle", "iters", "peak_mem_GiB",
+    "verified", "error",
 ]  # fmt: skip
 
 
@@ -1046,6 +1056,8 @@ def _write_csv(rows: list[_Row], path: pathlib.Path, meta: dict[str, object]) ->
                     "speedup_vs_naive": opt(r.speedup_vs_naive, 4),
                     "auto_vs_best": opt(r.auto_vs_best, 4),
                     "predicted_ms": opt(r.predicted_ms, 6),
+                    "exchanges": r.exchanges,
+                    "gather_counts": r.gather_counts,
                     "warmup": r.warmup,
                     "settle": r.settle,
                     "iters": r.iters,
