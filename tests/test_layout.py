@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spccl_train import formats as F
+from spccl_train.formats.layout import pici_metadata_bytes_of
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIZES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -93,6 +95,14 @@ def test_pici_sizes_match_spec(n, data, dtype):
     assert F.payload_bytes(F.Format.PICI, n, nnz, dtype) == _spec_pici_bytes(n, nnz, size)
     assert F.capacity_bytes("pici", n, dtype) == _spec_pici_bytes(n, n, size)
     assert F.pici_metadata_bytes(n) == F.pici_bytes(n, 0, dtype)
+
+
+@given(lengths=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=20))
+def test_pici_metadata_elementwise_matches_each_length(lengths):
+    """The planner's vectorised metadata size is :func:`pici_metadata_bytes` of each length."""
+    got = pici_metadata_bytes_of(np.array(lengths, dtype=np.int64))
+    assert got.tolist() == [F.pici_metadata_bytes(n) for n in lengths]
+    assert pici_metadata_bytes_of(lengths[0]) == F.pici_metadata_bytes(lengths[0])
 
 
 @settings(deadline=None, max_examples=300)

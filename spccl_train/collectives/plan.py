@@ -50,8 +50,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..formats import COO_HEADER_BYTES, TILE, Format, align16, dense_bytes, message_bytes
-from ..formats.layout import element_size
+from ..formats import COO_HEADER_BYTES, Format, align16, dense_bytes, message_bytes
+from ..formats.layout import element_size, pici_metadata_bytes_of
 from .chunking import ChunkLayout
 from .thresholds import ResolvedThresholds
 from .topology import Topology
@@ -391,8 +391,7 @@ def wire_format(fmt: Format, n, nnz, sigma, threshold, size: int) -> tuple[np.nd
         return np.zeros(n.shape, dtype=bool), dense
     nnz = np.asarray(nnz)
     if fmt is Format.PICI:
-        tiles = -(-n // TILE)
-        payload = 512 * tiles + ((4 * (tiles + 1) + 15) & ~15) + nnz * size
+        payload = pici_metadata_bytes_of(n) + nnz * size
     else:
         whole = np.ceil(nnz).astype(np.int64) if nnz.dtype.kind == "f" else nnz
         payload = COO_HEADER_BYTES + ((4 * whole + 15) & ~15) + nnz * size

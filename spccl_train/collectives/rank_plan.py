@@ -23,8 +23,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..formats import COO_HEADER_BYTES, TILE, Format
-from ..formats.layout import element_size
+from ..formats import COO_HEADER_BYTES, Format
+from ..formats.layout import element_size, pici_metadata_bytes_of
 from ._ring import ring_chunk
 from .chunking import ChunkLayout, piece_arrays
 from .plan import (
@@ -207,9 +207,7 @@ class _Direct(NamedTuple):
 def _piece_terms(layout: ChunkLayout) -> tuple[np.ndarray, np.ndarray]:
     """Every piece's element count (at least 1: a sparsity's divisor) and Pici metadata bytes, ``[c, k]``."""
     n = piece_arrays(layout)[0]
-    tiles = -(-n // TILE)
-    meta = 512 * tiles + ((4 * (tiles + 1) + 15) & ~15)
-    return np.maximum(n, 1), meta
+    return np.maximum(n, 1), pici_metadata_bytes_of(n)
 
 
 @functools.lru_cache(maxsize=64)

@@ -47,8 +47,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..formats import COO_HEADER_BYTES, TILE, Format
-from ..formats.layout import element_size
+from ..formats import COO_HEADER_BYTES, Format, align16
+from ..formats.layout import element_size, pici_metadata_bytes_of
 from .chunking import ChunkLayout, piece_arrays
 from .cost import CostModel
 from .plan import PADDED_GATHER_SLACK, sparsities
@@ -66,10 +66,6 @@ __all__ = [
 ]
 
 _INTRA, _INTER = 0, 1
-
-
-def _align16(x: np.ndarray) -> np.ndarray:
-    return (x + 15) & ~15
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -100,8 +96,7 @@ class _Geometry:
 def _geometry(layout: ChunkLayout, topology: Topology) -> _Geometry:
     p = layout.world
     n = piece_arrays(layout)[0]
-    tiles = -(-n // TILE)
-    meta = np.where(n > 0, 512 * tiles + _align16(4 * (tiles + 1)), 0).sum(1)  # per chunk, all its pieces
+    meta = np.where(n > 0, pici_metadata_bytes_of(n), 0).sum(1)  # per chunk, all its pieces
     # every rank holds all of every chunk: its elements, messages and metadata per hop kind, both directions
     elems, msgs, meta = (
         np.stack(_by_kind(np.broadcast_to(per_chunk, (p, p)), topology))
@@ -562,7 +557,7 @@ def _reduce_terms(geo: _Geometry, model: CostModel, size: int, fmts: tuple, taus
     tau = np.array(taus).reshape(f, 1, 2, 1)
 
     def sparse(nnz: np.ndarray) -> np.ndarray:  # sparsities() over the threshold, payload under the dense bytes
-        payload = nnz * size + base + coo_msgs * _align16((4 * nnz + per - 1) // per)
+        payload = nnz * size + base + coo_msgs * align16((4 * nnz + per - 1) // per)
         return (1.0 - nnz / elems > tau) & (payload < limit)
 
     return _ReduceTerms(
@@ -596,10 +591,10 @@ def _direct_reduce(
     # the messages' payloads summed (affine in nnz: exact for Pici), as if equally dense
     payload = nnz * size + t.base
     if t.coo_msgs is not None:  # a message's 4-byte indices, padded to 16 bytes
-        payload = payload + t.coo_msgs * _align16((4 * nnz + t.per_less_1) // t.per)
+        payload = payload + t.coo_msgs * align16((4 * nnz + t.per_less_1) // t.per)
     sparse = nnz <= t.cap  # [..., f, d, h, q]
     per_message = (np.where(sparse, payload, t.dense_bytes) + t.per_less_1) // t.per  # bytes, rounded up
-    wire = (_align16(per_message) * t.msgs_per_bandwidth).sum(-2)  # [..., f, d, q]
+    wire = (align16(per_message) * t.msgs_per_bandwidth).sum(-2)  # [..., f, d, q]
     codec = np.where(sparse, *t.codec).sum(-2)  # [..., f, d, q]: encoding, accumulating
     busy = codec[..., 0, :] + np.maximum(wire[..., 0, :], wire[..., 1, :]) + t.latency + codec[..., 1, :]
     return busy.max(-1), sparse.any((-3, -2, -1))
@@ -679,7 +674,7 @@ def _direct_gather(
     payload = t.base + payloads * size  # wire_format's, per format
     if t.coo is not None:  # 4-byte indices padded to 16 bytes: 4 * (nnz rounded up to 4)
         payload += t.coo * ((payloads + 3) & ~3)
-    nbytes = _align16(np.where(sparse, payload, t.dense_bytes))  # [..., v, k, c]: packed (empty pieces: 0)
+    nbytes = align16(np.where(sparse, payload, t.dense_bytes))  # [..., v, k, c]: packed (empty pieces: 0)
     codec = np.where(sparse[..., None, :, :], *t.codec).sum(-2)  # [..., v, 2, c]
     enc, dec = codec[..., 0, :], codec[..., 1, :]
     decode = dec.sum(-1, keepdims=True) - dec  # every other owner's payload
@@ -712,10 +707,9 @@ def _format_terms(fmts: Sequence[Format], n: np.ndarray) -> tuple[np.ndarray, ..
     besides its values and COO indices (Pici metadata, or the COO header), for pieces of ``n``."""
     f = len(fmts)
     shape = (f,) + (1,) * n.ndim
-    tiles = -(-n // TILE)
     coo = np.array([fmt is Format.COO for fmt in fmts]).reshape(shape)
     sends = np.array([fmt is not Format.DENSE for fmt in fmts]).reshape(shape)
-    base = np.where(coo, COO_HEADER_BYTES, 512 * tiles + _align16(4 * (tiles + 1)))
+    base = np.where(coo, COO_HEADER_BYTES, pici_metadata_bytes_of(n))
     return sends, coo.astype(np.int64), base
 
 
@@ -736,7 +730,7 @@ def _ring_reduce(
     sigma = np.cumprod(np.broadcast_to(sparsities(n, mean), (p - 1, len(n))), axis=0)
     dense_bytes = n * size
     sends, coo, base = _format_terms(fmts, n[None, :])
-    payload = base + coo * _align16(4 * np.ceil(bound).astype(np.int64)) + bound * size  # wire_format's
+    payload = base + coo * align16(4 * np.ceil(bound).astype(np.int64)) + bound * size  # wire_format's
     calls, compress = _codec_rates(model, fmts, "compress", 2)
     _, accumulate = _codec_rates(model, fmts, "accumulate", 2)
     send, recv, any_sparse = {}, {}, np.zeros(len(fmts), dtype=bool)
@@ -766,7 +760,7 @@ def _ring_gather(
     sigma = sparsities(n, payloads)
     dense_bytes = n * size
     sends, coo, base = _format_terms(fmts, n)
-    payload = base + coo * _align16(4 * payloads) + payloads * size  # wire_format's
+    payload = base + coo * align16(4 * payloads) + payloads * size  # wire_format's
     sparse = has & sends & (sigma > np.reshape(taus, (-1, 1, 1))) & (payload < dense_bytes)
     nbytes = np.where(sparse, payload, dense_bytes)
     calls, compress = _codec_rates(model, fmts, "compress", 2)

@@ -152,6 +152,12 @@ def _tiles_metadata_bytes(tiles: int) -> int:
     return 8 * TILE_ROWS * tiles + align16(4 * (tiles + 1))
 
 
+def pici_metadata_bytes_of(n):
+    """:func:`pici_metadata_bytes` of an int or elementwise of an integer array of lengths (the
+    planner's and the cost model's vectorised sizing)."""
+    return _tiles_metadata_bytes(-(-n // TILE))
+
+
 def pici_max_tiles(nbytes: int) -> int:
     """The most tiles whose Pici metadata (``B`` and ``I``) fits in ``nbytes`` bytes.
 
