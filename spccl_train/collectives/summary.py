@@ -428,53 +428,68 @@ def predict_variants(
                 for _, _, g in variants
             )
         ]
-    ring = algorithm == "ring"
-    if ring and summary.held.ndim > 1:
-        raise ValueError("a ring is weighed one summary at a time, not a batch")
-    steps: list[list[tuple]] = [[] for _ in variants]  # per variant: (seconds, sends sparse) per step
-    if collective != "all_gather":
-        distinct = {fmt: th for fmt, th, _ in variants}
-        if ring:
-            by_format = _ring_reduce(model, summary, size, list(distinct), list(distinct.values()))
-        else:
-            by_format = [
-                [step]
-                for step in _columns(*_direct_reduce(model, summary, size, list(distinct), list(distinct.values())))
-            ]
-        reduce = dict(zip(distinct, by_format))
-        for taken, (fmt, _, _) in zip(steps, variants):
-            taken += reduce[fmt]
-    if collective != "reduce_scatter":
-        fmts, taus = [f for f, _, _ in variants], [th.ag for _, th, _ in variants]
-        if ring:
-            sized = [summary.estimate if g == "measured" else summary.bound for _, _, g in variants]
-            gathered = _ring_gather(model, summary, np.stack(sized, axis=-3), size, fmts, taus)
-        else:  # [..., v, k, c]: a chunk's pieces summed along an outer axis, the cheap way
-            both = np.stack((summary.bound, summary.estimate), axis=-3).swapaxes(-1, -2)
-            payloads = both[..., [int(g == "measured") for _, _, g in variants], :, :]
-            gathered = [[step] for step in _columns(*_direct_gather(model, summary, payloads, size, fmts, taus))]
-        for taken, more in zip(steps, gathered):
-            taken += more
-    out = []
     planning = {
         mode: model.planning(collective, layout.numel, dtype, layout.world, exchanges + (mode == "measured"))
         for mode in {mode for _, _, mode in variants}
     }
+    if algorithm != "ring":
+        return _direct_variants(model, summary, size, variants, planning)
+    if summary.held.ndim > 1:
+        raise ValueError("a ring is weighed one summary at a time, not a batch")
+    steps: list[list[tuple]] = [[] for _ in variants]  # per variant: (seconds, sends sparse) per step
+    if collective != "all_gather":
+        distinct = {fmt: th for fmt, th, _ in variants}
+        reduce = dict(zip(distinct, _ring_reduce(model, summary, size, list(distinct), list(distinct.values()))))
+        for taken, (fmt, _, _) in zip(steps, variants):
+            taken += reduce[fmt]
+    if collective != "reduce_scatter":
+        sized = [summary.estimate if g == "measured" else summary.bound for _, _, g in variants]
+        fmts, taus = [f for f, _, _ in variants], [th.ag for _, th, _ in variants]
+        for taken, more in zip(steps, _ring_gather(model, summary, np.stack(sized, axis=-3), size, fmts, taus)):
+            taken += more
+    out = []
     for (_, _, mode), taken in zip(variants, steps):
         seconds = planning[mode]
         sparse = False
-        for step_s, sends in taken:  # in step order, the same float steps for a batch or one summary
+        for step_s, sends in taken:  # in step order
             seconds = seconds + (model.step_s + step_s)
             sparse = sparse | sends
         out.append(Prediction(seconds, sparse))
     return out
 
 
-def _columns(seconds: np.ndarray, sparse: np.ndarray) -> list[tuple]:
-    """A direct step's ``[..., v]`` results per variant: Python numbers for one summary, arrays over a batch."""
-    if seconds.ndim == 1:
-        return list(zip(seconds.tolist(), sparse.tolist()))
-    return list(zip(np.moveaxis(seconds, -1, 0), np.moveaxis(sparse, -1, 0)))
+def _direct_variants(
+    model: CostModel, summary: CountSummary, size: int, variants: Sequence[tuple], planning: dict[str, float]
+) -> list[Prediction]:
+    """:func:`predict_variants` of the direct algorithm: its reduce-scatter phase (one all-to-all;
+    per distinct format) then its gather phase (one all-gather; per variant), each weighed for
+    every variant at once; a variant's time adds its planning and then each phase with its step
+    cost, in that order (the same floats for a batch, elementwise, as for one summary)."""
+    collective = summary.collective
+    phases = []  # per phase: ([..., v] seconds, [..., v] sends sparse)
+    if collective != "all_gather":
+        distinct = {fmt: th for fmt, th, _ in variants}
+        seconds, sparse = _direct_reduce(model, summary, size, list(distinct), list(distinct.values()))
+        which = [list(distinct).index(fmt) for fmt, _, _ in variants]
+        phases.append((seconds[..., which], sparse[..., which]))
+    if collective != "reduce_scatter":
+        # [..., v, k, c]: a chunk's pieces summed along an outer axis, the cheap way
+        both = np.stack((summary.bound, summary.estimate), axis=-3).swapaxes(-1, -2)
+        payloads = both[..., [int(mode == "measured") for _, _, mode in variants], :, :]
+        fmts, taus = [fmt for fmt, _, _ in variants], [th.ag for _, th, _ in variants]
+        phases.append(_direct_gather(model, summary, payloads, size, fmts, taus))
+    if phases[0][0].ndim == 1:  # one summary: Python numbers
+        phases = [(seconds.tolist(), sparse.tolist()) for seconds, sparse in phases]
+    else:  # a batch: a leading axis per variant
+        phases = [(np.moveaxis(seconds, -1, 0), np.moveaxis(sparse, -1, 0)) for seconds, sparse in phases]
+    out = []
+    for v, (_, _, mode) in enumerate(variants):
+        seconds, sends = planning[mode], False
+        for phase_s, phase_sparse in phases:
+            seconds = seconds + (model.step_s + phase_s[v])
+            sends = sends | phase_sparse[v]
+        out.append(Prediction(seconds, sends))
+    return out
 
 
 _TERMS = Memo("weighing terms", 256)
