@@ -38,7 +38,7 @@ import torch.distributed as dist
 from _pool import pool_factory
 
 import spccl_train
-from spccl_train.collectives import CollectiveConfig, CostModel, EncodedPieces, Phase, Thresholds, last_stats
+from spccl_train.collectives import CollectiveConfig, CostModel, EncodedPieces, Phase, Thresholds, api, last_stats
 from spccl_train.collectives.choice import NATIVE_MARGIN
 from spccl_train.collectives.chunking import ChunkLayout
 from spccl_train.collectives.cost import CodecCost, LinkCost
@@ -442,28 +442,38 @@ def _job_native_held(rank, world, seed):
     cfg = CollectiveConfig(check_calls="first", cost_model=model)
     n = 1 << 16
     gen = torch.Generator().manual_seed(seed)
-    seen = []
-    for call in range(14):
-        sparse = call >= 7
-        xs = [torch.randint(1, 9, (n,), generator=gen).float() for _ in range(world)]
-        if sparse:  # 99% sparse: one element in a hundred kept, at random places
-            xs = [x * (torch.rand(n, generator=gen) < 0.01) for x in xs]
-        x = xs[rank].clone()
-        spccl_train.all_reduce(x, config=cfg)
-        assert torch.equal(x, sum(xs)), f"call {call}"
-        stats = last_stats()
-        seen.append((stats.exchanges > 0, stats.algorithm))
-    return seen, hashlib.sha256(x.numpy().tobytes()).hexdigest()
+    seen, requests = [], []
+    full = api._request  # made by the full path only: a held call on the short path makes none
+    made = []
+    api._request = lambda *a, **k: made.append(1) or full(*a, **k)
+    try:
+        for call in range(14):
+            sparse = call >= 7
+            xs = [torch.randint(1, 9, (n,), generator=gen).float() for _ in range(world)]
+            if sparse:  # 99% sparse: one element in a hundred kept, at random places
+                xs = [x * (torch.rand(n, generator=gen) < 0.01) for x in xs]
+            x = xs[rank].clone()
+            before = len(made)
+            spccl_train.all_reduce(x, config=cfg)
+            assert torch.equal(x, sum(xs)), f"call {call}"
+            stats = last_stats()
+            seen.append((stats.exchanges > 0, stats.algorithm))
+            requests.append(len(made) > before)
+    finally:
+        api._request = full
+    return seen, requests, hashlib.sha256(x.numpy().tobytes()).hexdigest()
 
 
 def test_a_clearly_native_shape_is_held_without_exchanges(pools):
     got = pools(3).run(_job_native_held, _seed("held"))
     assert all(g == got[0] for g in got), "every rank holds alike, and ends with the same bits"
-    seen, _ = got[0]
+    seen, requests, _ = got[0]
     exchanged = [e for e, _ in seen]
     # dense calls 0-6: exchanged, held 1; exchanged, held 2; exchanged, held 4 (calls 6-9, the
     # last three on sparse data); call 10 exchanges, sees the sparsity and goes sparse from then on
     assert exchanged == [True, False, True, False, False, True, False, False, False, False, True, True, True, True]
+    # the first held call takes the full path and leaves its route; later ones take the short path
+    assert requests == [True, True, True, False, False, True, False, False, False, False, True, True, True, True]
     assert all(a == "native" for _, a in seen[:10]) and all(a != "native" for _, a in seen[10:]), seen
 
 

@@ -16,6 +16,7 @@ import functools
 import logging
 import threading
 from collections.abc import Hashable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -267,6 +268,15 @@ def _call(
         hierarchical.check_request(transport, config, bounds)
     with torch.no_grad():
         graphed = _graphable(config, input, output, transport)
+        held = (
+            _held_call(collective, transport, config, input, output, planning_stream)
+            if config.check_calls == "first" and bounds is None and encoded is None and planner is transport
+            and not graphed
+            else None
+        )  # fmt: skip
+        if held is not None:
+            _local.stats = held[0]
+            return CollectiveWork([output], *held) if async_op else None
         # ``misfit``: reported by the exchange, so that every rank raises; ``decoded``: the statuses
         # of decoding ``encoded`` into the input up front, for a call that will not send it
         encoded, misfit, decoded = take_encoded(encoded, collective, input, config, transport, planning_stream)
@@ -403,10 +413,10 @@ def _run(
     if bounds is None and _goes_native_unexchanged(collective, config, request, layout, transport, rpn):
         if planning_stream is not None:  # the input is ready on the planning stream
             torch.cuda.current_stream(inp.device).wait_stream(planning_stream)
+        route = _held_route(collective, transport, config, rpn, fingerprint, request, layout, inp, out)
         return decoded_first(
-            encoded, x, sink, _native_call, collective, transport, config, rpn, fingerprint, layout, x, out.view(-1),
-            corrections, timer,
-        )  # fmt: skip
+            encoded, x, sink, _native_call, collective, transport, route, x, out.view(-1), corrections, timer
+        )
     how, xdev = "", None  # the exchange protocol; none for a call with bounds
     if bounds is not None:  # planned from the caller's bounds: no count, no exchange, no synchronisation
         check_local(request, p, transport.backend)
@@ -623,11 +633,7 @@ def _goes_native_unexchanged(
 ) -> bool:
     """Whether this call runs the native collective without a count exchange: ``check_calls="first"``,
     ``auto`` may choose native (``format`` auto or dense, ``algorithm`` auto), an exchange already
-    checked this call's shape on every rank of the group, and either the shape is held native
-    (:class:`.state.NativeHolds`: its last exchanged call chose native clearly; this spends one
-    call of the hold) or no sparse candidate can win: even its lower bound
-    (:meth:`.cost.CostModel.least_sparse`, what any data would cost it at least), corrected by
-    what the group learned, misses native's prediction by :data:`NATIVE_MARGIN`. Every input is
+    checked this call's shape on every rank of the group, and :func:`_held_now`. Every input is
     equal on every rank (the shape, the config, the model, its corrections and the holds), so
     every rank decides alike, as long as their calls have the same shape."""
     if (
@@ -636,17 +642,40 @@ def _goes_native_unexchanged(
         or config.format not in ("auto", "dense")
         or layout is None
         or request.problems
-        or _signature(request) not in state_of(transport).checked
     ):
         return False
-    if config.format == "dense" or state_of(transport).holds.take(_signature(request)):
-        return True
     topology = Topology(transport.world, rpn)
+    return _held_now(
+        collective, config, _signature(request), layout, request.dtype, request.device, transport, topology
+    )
+
+
+def _held_now(
+    collective: str,
+    config: CollectiveConfig,
+    signature: tuple[int, ...],
+    layout: ChunkLayout,
+    dtype: torch.dtype,
+    device: torch.device,
+    transport: P2PTransport,
+    topology: Topology,
+) -> bool:
+    """For a call that may go native unexchanged (:func:`_goes_native_unexchanged`): whether its
+    shape was checked and it goes native now, because the shape is held native
+    (:class:`.state.NativeHolds`: its last exchanged call chose native clearly; this spends one
+    call of the hold) or no sparse candidate can win: even its lower bound
+    (:meth:`.cost.CostModel.least_sparse`, what any data would cost it at least), corrected by
+    what the group learned, misses native's prediction by :data:`NATIVE_MARGIN`."""
+    state = state_of(transport)
+    if signature not in state.checked:
+        return False
+    if config.format == "dense" or state.holds.take(signature):
+        return True
     rounds = exchange_rounds(protocol(transport.world), collective)
-    model = model_of(config, transport, topology, request.device).model  # made by the checked call already
+    model = model_of(config, transport, topology, device).model  # made by the checked call already
     corrections = corrections_of(config, transport)
     factors = (
-        corrections.factors_for(collective, layout.numel * element_size(request.dtype), request.dtype)
+        corrections.factors_for(collective, layout.numel * element_size(dtype), dtype)
         if corrections is not None
         else None
     )
@@ -654,38 +683,114 @@ def _goes_native_unexchanged(
         factor_of(factors, name) for name in ("ring/pici", "ring/coo", "direct/pici", "direct/coo", "hierarchical")
     )
     extra = (rounds - 1) * model.exchange_s  # what an exchange's further rounds would add to every candidate
-    native = (model.predict_native(collective, layout.numel, request.dtype, topology) + extra) * factor_of(
+    native = (model.predict_native(collective, layout.numel, dtype, topology) + extra) * factor_of(
         factors, "native/dense"
     )
-    least = model.least_sparse(collective, layout.numel, request.dtype, topology, rounds) * sparse_factor
+    least = model.least_sparse(collective, layout.numel, dtype, topology, rounds) * sparse_factor
     return least >= native * (1 - NATIVE_MARGIN)
 
 
-def _native_call(
+class _Route(NamedTuple):
+    """What a call shape that went native without an exchange needs for its next such call, made
+    once (:func:`_held_call`)."""
+
+    signature: tuple[int, ...]
+    layout: ChunkLayout
+    topology: Topology
+    fingerprint: str
+    predicted_s: float
+    """The native call's prediction, without an exchange or corrections."""
+    nbytes: int
+    dense: int
+    """The bytes a dense ring sends (the stats' ``bytes_sent`` and ``dense_bytes``)."""
+
+
+def _route_key(collective: str, config: CollectiveConfig, rpn: int | None, inp, out) -> tuple:
+    """What a call's signature depends on, read from its arguments without checking them (a key
+    of its group's ``routes``)."""
+    return (collective, config.fingerprint(), rpn, inp.numel(), out.numel(), inp.dtype, out.dtype, inp.device)
+
+
+def _held_route(
     collective: str,
     transport: P2PTransport,
     config: CollectiveConfig,
     rpn: int | None,
     fingerprint: str,
+    request: Request,
     layout: ChunkLayout,
+    inp: torch.Tensor,
+    out: torch.Tensor,
+) -> _Route:
+    """The route of a call that goes native unexchanged (made once per shape; remembered)."""
+    routes = state_of(transport).routes
+    key = _route_key(collective, config, rpn, inp, out)
+    route = routes.get(key)
+    if route is None:
+        p = transport.world
+        topology = Topology(p, rpn)
+        model = model_of(config, transport, topology, inp.device).model
+        route = routes.put(
+            key,
+            _Route(
+                signature=_signature(request),
+                layout=layout,
+                topology=topology,
+                fingerprint=fingerprint,
+                predicted_s=model.predict_native(collective, layout.numel, inp.dtype, topology, exchanges=0),
+                nbytes=layout.numel * inp.element_size(),
+                dense=dense_ring_bytes(collective, layout.numel, p, inp.element_size()),
+            ),
+        )
+    return route
+
+
+def _held_call(
+    collective: str,
+    transport: P2PTransport,
+    config: CollectiveConfig,
+    inp: torch.Tensor,
+    out: torch.Tensor,
+    planning_stream: torch.cuda.Stream | None,
+) -> tuple[CollectiveStats, torch.cuda.Event | None] | None:
+    """The short path of a call that goes native without an exchange (``check_calls="first"``):
+    a call of a shape whose route the full path made, with no local problem, decided exactly as
+    :func:`_goes_native_unexchanged` decides, then :func:`_native_call`. ``None``: take the full
+    path. It skips the request, the config's text and the model look-ups: a held call on NVLink
+    costs the host little more than NCCL's own call."""
+    if config.algorithm != "auto" or config.format not in ("auto", "dense"):
+        return None
+    rpn = ranks_per_node(config, transport)
+    route = state_of(transport).routes.get(_route_key(collective, config, rpn, inp, out))
+    if route is None or _local_problems(collective, inp, out, transport)[0]:
+        return None
+    if not _held_now(
+        collective, config, route.signature, route.layout, inp.dtype, inp.device, transport, route.topology
+    ):
+        return None
+    timer = Span(inp.device)
+    if planning_stream is not None:  # the input is ready on the planning stream
+        torch.cuda.current_stream(inp.device).wait_stream(planning_stream)
+    corrections = corrections_of(config, transport)
+    return _native_call(collective, transport, route, inp.view(-1), out.view(-1), corrections, timer)
+
+
+def _native_call(
+    collective: str,
+    transport: P2PTransport,
+    route: _Route,
     x: torch.Tensor,
     y: torch.Tensor,
     corrections: Corrections | None,
     timer: Span,
 ) -> tuple[CollectiveStats, torch.cuda.Event | None]:
-    """The native collective with no exchange (:func:`_goes_native_unexchanged`); ``fingerprint``
-    names the config, as :func:`_run` does."""
-    p = transport.world
-    topology = Topology(p, rpn)
-    model = model_of(config, transport, topology, x.device).model
-    predicted = model.predict_native(collective, layout.numel, x.dtype, topology, exchanges=0)
+    """The native collective with no exchange (:func:`_goes_native_unexchanged`)."""
     native_collective(collective, transport, x, y)
     event = timer.stop()
-    nbytes = layout.numel * x.element_size()
+    predicted = route.predicted_s
     if corrections is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        corrections.called(collective, "native/dense", nbytes, predicted, timer, x.dtype, fingerprint)
-        predicted *= factor_of(corrections.factors_for(collective, nbytes, x.dtype), "native/dense")
-    dense = dense_ring_bytes(collective, layout.numel, p, x.element_size())
+        corrections.called(collective, "native/dense", route.nbytes, predicted, timer, x.dtype, route.fingerprint)
+        predicted *= corrections.own_factor(collective, "native/dense", route.nbytes, x.dtype)
     stats = CollectiveStats(
         collective=collective,
         algorithm="native",
@@ -695,8 +800,8 @@ def _native_call(
         candidates={"native/dense": predicted},
         exchanges=0,
         gather_counts="",
-        bytes_sent=dense,
-        dense_bytes=dense,
+        bytes_sent=route.dense,
+        dense_bytes=route.dense,
         graph="",
         _statuses=None,
         _timer=timer,

@@ -271,12 +271,13 @@ near-ties are noise: on 4 H200s a 64 MiB all-gather at 50% sparsity predicted 1%
 measured 10% slower (``bench/bench_bounds.py``, 2026-11-22)."""
 
 
-HOLD_MARGIN = 0.25
+HOLD_MARGIN = float(os.environ.get("SPCCL_HOLD_MARGIN", "0.25"))
 """``check_calls="first"``: a call shape whose exchanged call chose native with every candidate
 that sends something sparse predicted at least this fraction slower (or none sending anything
 sparse: dense data) is held native for a while, with no exchange (:class:`.state.NativeHolds`).
 Wider than :data:`NATIVE_MARGIN`, since a hold skips the exchange that would show the data
-changing; the corrections' dead band is as wide (:mod:`.feedback`)."""
+changing; the corrections' dead band is as wide (:mod:`.feedback`). ``SPCCL_HOLD_MARGIN``
+overrides it (equal on every rank)."""
 
 
 def clearly_native(choice: Candidate) -> bool:

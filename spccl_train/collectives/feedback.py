@@ -150,6 +150,13 @@ class Corrections:
             own[UNOBSERVED] = share
         return own
 
+    def own_factor(self, collective: str, candidate: str, nbytes: int, dtype: torch.dtype | None = None) -> float:
+        """:func:`factor_of` ``factors_for(collective, nbytes, dtype)`` for a candidate of
+        :data:`OWN_ONLY` (the native call), without making the whole dict."""
+        assert candidate in OWN_ONLY, candidate
+        kind = (collective, candidate, size_class(nbytes), _type_name(dtype))
+        return self.factors.get(kind, 1.0) if self.seen.get(kind, 0) > 1 else 1.0
+
     def called(
         self,
         collective: str,

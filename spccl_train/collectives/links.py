@@ -430,3 +430,4 @@ def forget_measured() -> None:
     """Drop every measured model (the next call of each group probes again)."""
     for state in live_states():
         state.measured.clear()
+        state.routes.clear()

@@ -108,7 +108,9 @@ class NativeHolds:
 class GroupState:
     """One process group's state (see the module's text)."""
 
-    __slots__ = ("transport", "nodes", "measured", "corrections", "checked", "holds", "subgroups", "__weakref__")
+    __slots__ = (
+        "transport", "nodes", "measured", "corrections", "checked", "holds", "routes", "subgroups", "__weakref__"
+    )  # fmt: skip
 
     def __init__(self, transport: P2PTransport) -> None:
         self.transport = transport
@@ -121,6 +123,9 @@ class GroupState:
         """Signatures of the call shapes an exchange checked on every rank."""
         self.holds = NativeHolds()
         """Call shapes that run native without an exchange for now (``check_calls="first"``)."""
+        self.routes = Memo("native routes", 256)
+        """What a call shape that ran native without an exchange needs for its next such call,
+        by its key (``api._Route``; made from the measured model, so forgotten with it)."""
         self.subgroups: dict[int, tuple] = {}
         """``{ranks_per_node: (intra, inter)}``: this rank's node and cross-node subgroups."""
 
