@@ -75,7 +75,10 @@ def direct_reduce_scatter(
     in_splits, out_splits = _splits(messages, sends, "dst", ch, p), _splits(messages, receives, "src", ch, p)
     send_waves = _waves(messages, sends, ch, "start", "numel", "format", "nbytes", "dst", "piece")  # dst order
     recv_waves = _waves(messages, receives, ch, "start", "numel", "format", "nbytes")  # src order: its output
-    wide = dtype != torch.float32
+    # 16-bit sums gather in float32 and round once per piece: p - 1 additions, one rounding. With
+    # one contribution (two ranks) a 16-bit add is that already (the kernels and torch add in
+    # float32 and round to nearest even), so the float32 copy of the chunk, in and out, buys nothing.
+    wide = dtype != torch.float32 and p > 2
     bufs = carve(x.device, [*map(sum, in_splits), *map(sum, out_splits), 4 * own.numel if wide else 0])
     sendbufs, recvbufs, wide_acc = bufs[:ch], bufs[ch : 2 * ch], bufs[-1]
     sent = {}
