@@ -68,7 +68,7 @@ Add ``--patterns all`` for the structured patterns, ``--channels 1,2,4`` and
 ``--thresholds-sweep`` for the sweeps, ``--cuda-graphs`` to time the spccl methods replayed from
 CUDA graphs (``CollectiveConfig.cuda_graphs``: one count exchange per call, then a replay),
 ``--check-calls first`` to run them with ``CollectiveConfig.check_calls="first"`` (``auto`` holds
-a shape it clearly leaves to the native collective, with no exchange). Here, to check the script (CPU, gloo, tiny sizes)::
+a shape whose last exchanged call went native, or that no sparse candidate could win, with no exchange). Here, to check the script (CPU, gloo, tiny sizes)::
 
     torchrun --standalone --nproc-per-node=2 bench/bench_collectives.py --smoke --out-dir /tmp/x
 
@@ -443,8 +443,8 @@ def _settings(argv: list[str] | None) -> _Settings:
         "--check-calls",
         choices=("every", "first"),
         default="every",
-        help="CollectiveConfig.check_calls of the spccl methods: 'first' lets auto run a shape it clearly leaves to "
-        "the native collective with no count exchange (output names end in _first; default every)",
+        help="CollectiveConfig.check_calls of the spccl methods: 'first' lets auto run a shape whose last exchanged "
+        "call went native with no count exchange for a while (output names end in _first; default every)",
     )
     parser.add_argument(
         "--smoke", action="store_true", help="check the script on the CPU (gloo): tiny sizes, few iterations"

@@ -456,7 +456,7 @@ def test_native_calls_skip_the_exchange_once_checked(pools):
 
 
 def _job_native_held(rank, world, seed):
-    """``check_calls="first"``: a shape whose exchanged call chose native clearly (dense data: no
+    """``check_calls="first"``: a shape whose exchanged call chose native (dense data: no
     candidate sends anything sparse) runs native unexchanged for 1, 2, 4, ... calls between
     exchanges; when the data turns sparse, the next exchange sees it and the hold ends."""
     slow = LinkCost(latency_s=1e-5, bandwidth=1e8)  # sparse wins on sparse data, not on dense data
@@ -486,7 +486,7 @@ def _job_native_held(rank, world, seed):
     return seen, requests, hashlib.sha256(x.numpy().tobytes()).hexdigest()
 
 
-def test_a_clearly_native_shape_is_held_without_exchanges(pools):
+def test_a_native_shape_is_held_without_exchanges(pools):
     got = pools(3).run(_job_native_held, _seed("held"))
     assert all(g == got[0] for g in got), "every rank holds alike, and ends with the same bits"
     seen, requests, _ = got[0]

@@ -27,7 +27,7 @@ from ..formats.layout import element_size
 from ..transport import P2PTransport
 from . import hierarchical
 from ._wire import StatusSink
-from .choice import NATIVE_MARGIN, Candidate, clearly_native, decide, plan_candidate
+from .choice import NATIVE_MARGIN, Candidate, decide, plan_candidate
 from .chunking import ChunkLayout, count_nonzero_pieces
 from .config import CollectiveConfig
 from .context import corrections_of, model_of, nodes_code, ranks_per_node, transport_of
@@ -472,7 +472,7 @@ def _run(
         bounds is not None, prefer,
     )  # fmt: skip
     if bounds is None and config.check_calls == "first" and config.algorithm == "auto" and config.format == "auto":
-        state_of(transport).holds.decided(_signature(request), clearly_native(choice))
+        state_of(transport).holds.decided(_signature(request), choice.algorithm == "native")
     if choice.algorithm == "hierarchical":  # auto chose it: the steps exchange and plan on the node subgroups
         chosen = (choice.predicted_s, weighed)
         return decoded_first(
@@ -662,7 +662,7 @@ def _held_now(
 ) -> bool:
     """For a call that may go native unexchanged (:func:`_goes_native_unexchanged`): whether its
     shape was checked and it goes native now, because the shape is held native
-    (:class:`.state.NativeHolds`: its last exchanged call chose native clearly; this spends one
+    (:class:`.state.NativeHolds`: its last exchanged call chose native; this spends one
     call of the hold) or no sparse candidate can win: even its lower bound
     (:meth:`.cost.CostModel.least_sparse`, what any data would cost it at least), corrected by
     what the group learned, misses native's prediction by :data:`NATIVE_MARGIN`."""

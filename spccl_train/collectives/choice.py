@@ -20,7 +20,6 @@ every rank and the decision is a pure function of them, so every rank picks alik
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Mapping
 
@@ -42,7 +41,6 @@ from .topology import Topology
 __all__ = [
     "Candidate",
     "choose",
-    "clearly_native",
     "weigh",
     "weigh_batch",
     "decide",
@@ -64,9 +62,6 @@ class Candidate:
     gather_counts: str = ""
     """All-reduce only: ``"bound"`` (gather phase sized from the first exchange) or
     ``"measured"`` (a second exchange); ``""`` otherwise."""
-    runner_up_s: float = math.inf
-    """The cheapest other candidate's prediction among those that send something sparse (``inf``:
-    none does); what :func:`clearly_native` compares."""
 
     @property
     def name(self) -> str:
@@ -260,8 +255,7 @@ def _pick(
         if kept is not None and kept[1] != "native" and kept[3] * (1 - STICKY_MARGIN) <= best[3]:
             best = kept
     _, algorithm, fmt, seconds, mode, _ = best
-    runner_up = min((c[3] for c in candidates if c is not best and c[5] and c[1] != "native"), default=math.inf)
-    return Candidate(algorithm, fmt, seconds, mode, runner_up), {c[0]: c[3] for c in candidates}
+    return Candidate(algorithm, fmt, seconds, mode), {c[0]: c[3] for c in candidates}
 
 
 NATIVE_MARGIN = 0.1
@@ -269,20 +263,6 @@ NATIVE_MARGIN = 0.1
 faster. The model's codec speeds do not depend on sparsity and its fixed costs are fitted, so
 near-ties are noise: on 4 H200s a 64 MiB all-gather at 50% sparsity predicted 1% faster than NCCL
 measured 10% slower (``bench/bench_bounds.py``, 2026-11-22)."""
-
-
-HOLD_MARGIN = float(os.environ.get("SPCCL_HOLD_MARGIN", "0.25"))
-"""``check_calls="first"``: a call shape whose exchanged call chose native with every candidate
-that sends something sparse predicted at least this fraction slower (or none sending anything
-sparse: dense data) is held native for a while, with no exchange (:class:`.state.NativeHolds`).
-Wider than :data:`NATIVE_MARGIN`, since a hold skips the exchange that would show the data
-changing; the corrections' dead band is as wide (:mod:`.feedback`). ``SPCCL_HOLD_MARGIN``
-overrides it (equal on every rank)."""
-
-
-def clearly_native(choice: Candidate) -> bool:
-    """Whether ``choice`` is the native call with every sparse-sending candidate :data:`HOLD_MARGIN` slower."""
-    return choice.algorithm == "native" and choice.runner_up_s >= choice.predicted_s * (1 + HOLD_MARGIN)
 
 
 STICKY_MARGIN = float(os.environ.get("SPCCL_STICKY_MARGIN", "0.05"))

@@ -100,9 +100,9 @@ class CollectiveConfig:
     first call; after that a call of that shape that ``auto`` can tell from its sizes alone will go
     native (no sparse candidate could win even with no nonzeros: small calls, fast links) runs the
     native collective with no exchange at all, and so does one whose last exchanged call chose
-    native by a clear margin (``choice.HOLD_MARGIN``), for 1, 2, 4, ... up to 16 calls before an
-    exchange checks again (``state.NativeHolds``: a shape NCCL wins, on NVLink, then costs NCCL's
-    call, not an exchange and NCCL's call). The price: ranks whose later calls diverge (one
+    native, for 1, 2, 4, ... up to 16 calls before an exchange checks again
+    (``state.NativeHolds``: a shape NCCL wins, on NVLink, then costs NCCL's call, not an exchange
+    and NCCL's call). The price: ranks whose later calls diverge (one
     rank passing another size, or a bad tensor, in a shape checked before) are no longer told and
     hang in the native collective, as ``torch.distributed``'s own calls do. For callers whose call
     shapes are fixed by construction (a DDP hook's buckets)."""

@@ -66,12 +66,19 @@ def clear_memos(*names: str) -> None:
 
 
 class NativeHolds:
-    """``check_calls="first"``: call shapes whose exchanged calls chose the native collective by a
-    clear margin (:data:`~.choice.HOLD_MARGIN`) run it for a while with no exchange at all (as
-    a DDP bucket on NVLink, where the exchange alone costs half of NCCL's call), then one call is
-    exchanged again to see whether the data changed. The hold doubles while the re-checks confirm
-    it (1, 2, 4, ... calls, at most :data:`MAX_HOLD`) and ends at the first that does not. Every
-    rank sees the same decisions, so every rank holds alike."""
+    """``check_calls="first"``: call shapes whose exchanged calls chose the native collective run
+    it for a while with no exchange at all (as a DDP bucket on NVLink, where the exchange alone
+    costs half of NCCL's call), then one call is exchanged again to see whether the data changed.
+    The hold doubles while the re-checks confirm it (1, 2, 4, ... calls, at most :data:`MAX_HOLD`)
+    and ends at the first that does not. Every rank sees the same decisions, so every rank holds
+    alike.
+
+    Any native choice is held, near ties included: native is chosen only when no sparse candidate
+    is predicted :data:`~.choice.NATIVE_MARGIN` faster, and at a near tie an exchange every call
+    costs what the sparse call would save. On 2 H100s over NVLink, 1 GiB all-reduces at 90%
+    (fp32, bf16) ran at 1.32-1.39x the best fixed candidate when only native choices with every
+    sparse candidate 25% slower were held (an exchange and a count pass every call), and at
+    1.02-1.12x holding every native choice (``bench/results/2026-11-26_tenth/``)."""
 
     MAX_HOLD = 16
     """Calls run native in a row at most before a re-check: a sparsity that changes (pruning that
@@ -92,10 +99,10 @@ class NativeHolds:
         hold[0] -= 1
         return True
 
-    def decided(self, signature: Hashable, clearly_native: bool) -> None:
-        """An exchanged call of ``signature`` chose: native by a clear margin starts or doubles the
-        hold; anything else ends it."""
-        if not clearly_native:
+    def decided(self, signature: Hashable, native: bool) -> None:
+        """An exchanged call of ``signature`` chose: native starts or doubles the hold; anything
+        else ends it."""
+        if not native:
             self._holds.pop(signature, None)
             return
         if len(self._holds) >= 1024:  # every rank forgets alike
