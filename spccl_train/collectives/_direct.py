@@ -3,7 +3,7 @@
 Reduce-scatter: every rank encodes each of its contributions to the other ranks' chunks and an
 ``all_to_all_single`` (split sizes from the plan) delivers them; each owner then sums the
 ``world`` contributions of its chunk. There is no fill-in in transit, and 16-bit data is summed
-in an fp32 buffer and rounded once.
+in an fp32 buffer and rounded once (with two ranks, one addition: in place, rounded once alike).
 
 All-gather: every rank encodes its chunk once; an ``all_gather`` of payloads padded to the
 largest (when the plan finds the padding cheap) or grouped point-to-point sends of the exact
@@ -77,7 +77,8 @@ def direct_reduce_scatter(
     recv_waves = _waves(messages, receives, ch, "start", "numel", "format", "nbytes")  # src order: its output
     # 16-bit sums gather in float32 and round once per piece: p - 1 additions, one rounding. With
     # one contribution (two ranks) a 16-bit add is that already (the kernels and torch add in
-    # float32 and round to nearest even), so the float32 copy of the chunk, in and out, buys nothing.
+    # float32 and round to nearest even), so the float32 copy of the chunk, in and out, buys nothing
+    # (but for NaN payload bits, which the copy made canonical and now stay as they came).
     wide = dtype != torch.float32 and p > 2
     bufs = carve(x.device, [*map(sum, in_splits), *map(sum, out_splits), 4 * own.numel if wide else 0])
     sendbufs, recvbufs, wide_acc = bufs[:ch], bufs[ch : 2 * ch], bufs[-1]

@@ -7,8 +7,9 @@ here would outlive ``destroy_process_group``, and its backend's threads the inte
 - its ranks per node as the launch describes them (:func:`~.context.group_ranks_per_node`);
 - its measured cost models (:mod:`.links`, probed on its first call) and the corrections learned
   from its calls' times (:mod:`.feedback`), equal on every rank of the group;
-- the call shapes an exchange has checked on every rank (``check_calls="first"``), and those
-  whose exchanged calls chose the native collective by a clear margin (:class:`NativeHolds`);
+- the call shapes an exchange has checked on every rank (``check_calls="first"``), those whose
+  exchanged calls chose the native collective (:class:`NativeHolds`), and what a held call of
+  each needs (its route);
 - the subgroups of its hierarchical collectives (:mod:`.hierarchical`).
 
 Every rank of a group changes its state alike (the same calls, the same exchanged figures), so the
@@ -130,9 +131,9 @@ class GroupState:
         """Signatures of the call shapes an exchange checked on every rank."""
         self.holds = NativeHolds()
         """Call shapes that run native without an exchange for now (``check_calls="first"``)."""
-        self.routes = Memo("native routes", 256)
+        self.routes: dict[tuple, object] = {}
         """What a call shape that ran native without an exchange needs for its next such call,
-        by its key (``api._Route``; made from the measured model, so forgotten with it)."""
+        by its key (``api._Route``, at most 256; made from the measured model, so forgotten with it)."""
         self.subgroups: dict[int, tuple] = {}
         """``{ranks_per_node: (intra, inter)}``: this rank's node and cross-node subgroups."""
 
