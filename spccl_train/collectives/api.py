@@ -16,18 +16,16 @@ import functools
 import logging
 import threading
 from collections.abc import Hashable, Sequence
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .._timing import Span
 from ..formats import MAX_ELEMENTS, SUPPORTED_DTYPES, Format
-from ..formats.layout import element_size
 from ..transport import P2PTransport
-from . import hierarchical
+from . import held, hierarchical
 from ._wire import StatusSink
-from .choice import NATIVE_MARGIN, Candidate, decide, plan_candidate
+from .choice import Candidate, decide, plan_candidate
 from .chunking import ChunkLayout, count_nonzero_pieces
 from .config import CollectiveConfig
 from .context import corrections_of, model_of, nodes_code, ranks_per_node, transport_of
@@ -47,7 +45,7 @@ from .exchange import (
     exchange_scalable,
     protocol,
 )
-from .executors import Execution, execute, gather_plan, native_collective
+from .executors import Execution, execute, gather_plan
 from .feedback import Corrections, factor_of
 from .graphs import bounds_from_counts, graph_key, run_graphed
 from .hierarchical import check_hierarchy
@@ -268,15 +266,18 @@ def _call(
         hierarchical.check_request(transport, config, bounds)
     with torch.no_grad():
         graphed = _graphable(config, input, output, transport)
-        held = (
-            _held_call(collective, transport, config, input, output, planning_stream)
+        route = (
+            held.lookup(collective, transport, config, input, output)
             if config.check_calls == "first" and bounds is None and encoded is None and planner is transport
             and not graphed
             else None
         )  # fmt: skip
-        if held is not None:
-            _local.stats = held[0]
-            return CollectiveWork([output], *held) if async_op else None
+        ran = None
+        if route is not None and not _local_problems(collective, input, output, transport)[0]:
+            ran = held.run(collective, transport, config, route, input, output, planning_stream)
+        if ran is not None:  # native, unexchanged, on the short path
+            _local.stats = ran[0]
+            return CollectiveWork([output], *ran) if async_op else None
         # ``misfit``: reported by the exchange, so that every rank raises; ``decoded``: the statuses
         # of decoding ``encoded`` into the input up front, for a call that will not send it
         encoded, misfit, decoded = take_encoded(encoded, collective, input, config, transport, planning_stream)
@@ -410,12 +411,12 @@ def _run(
     x = inp.view(-1) if not problems else inp
     corrections = corrections_of(config, transport)
     sink = StatusSink(inp.device)
-    if bounds is None and _goes_native_unexchanged(collective, config, request, layout, transport, rpn):
+    if bounds is None and held.goes_native_unexchanged(collective, config, request, layout, transport, rpn):
         if planning_stream is not None:  # the input is ready on the planning stream
             torch.cuda.current_stream(inp.device).wait_stream(planning_stream)
-        route = _held_route(collective, transport, config, rpn, fingerprint, request, layout, inp, out)
+        route = held.route_of(collective, transport, config, rpn, fingerprint, request, layout, inp, out)
         return decoded_first(
-            encoded, x, sink, _native_call, collective, transport, route, x, out.view(-1), corrections, timer
+            encoded, x, sink, held.native_call, collective, transport, route, x, out.view(-1), corrections, timer
         )
     how, xdev = "", None  # the exchange protocol; none for a call with bounds
     if bounds is not None:  # planned from the caller's bounds: no count, no exchange, no synchronisation
@@ -435,7 +436,7 @@ def _run(
             collective, request, layout, x, Topology(p, rpn), planner, planning_stream, corrections, how,
             whole_table=config.algorithm == "ring", encoded=encoded,
         )  # fmt: skip
-        _remember_checked(transport, request)
+        held.remember_checked(transport, request)
     topology = Topology(p, rpn)
     whole = how == "table" or (how == "scalable" and config.algorithm == "ring")  # every rank's counts
     rounds = exchange_rounds(how, collective, whole_table=how == "scalable" and whole) if how else 0
@@ -472,7 +473,7 @@ def _run(
         bounds is not None, prefer,
     )  # fmt: skip
     if bounds is None and config.check_calls == "first" and config.algorithm == "auto" and config.format == "auto":
-        state_of(transport).holds.decided(_signature(request), choice.algorithm == "native")
+        state_of(transport).holds.decided(held.signature(request), choice.algorithm == "native")
     if choice.algorithm == "hierarchical":  # auto chose it: the steps exchange and plan on the node subgroups
         chosen = (choice.predicted_s, weighed)
         return decoded_first(
@@ -557,14 +558,6 @@ def _local_call(
     return stats, timer.stop()
 
 
-def _remember_checked(transport: P2PTransport, request: Request) -> None:
-    """Note that an exchange checked this call's signature on every rank (``check_calls="first"``)."""
-    checked = state_of(transport).checked
-    if len(checked) >= 1024:  # every rank adds and forgets alike; a forgotten shape is checked again
-        checked.clear()
-    checked.add(_signature(request))
-
-
 def _decide_and_plan(
     collective: str,
     config: CollectiveConfig,
@@ -616,197 +609,6 @@ def _decide_and_plan(
     if bounded:
         _bounded_plans.put(bounded_key, planned)
     return planned
-
-
-def _signature(request: Request) -> tuple[int, ...]:
-    """A call's header without its ``observed`` time: what the count exchange compares across ranks."""
-    return tuple(request.header()[:-1])
-
-
-def _goes_native_unexchanged(
-    collective: str,
-    config: CollectiveConfig,
-    request: Request,
-    layout: ChunkLayout | None,
-    transport: P2PTransport,
-    rpn: int | None,
-) -> bool:
-    """Whether this call runs the native collective without a count exchange: ``check_calls="first"``,
-    ``auto`` may choose native (``format`` auto or dense, ``algorithm`` auto), an exchange already
-    checked this call's shape on every rank of the group, and :func:`_held_now`. Every input is
-    equal on every rank (the shape, the config, the model, its corrections and the holds), so
-    every rank decides alike, as long as their calls have the same shape."""
-    if (
-        config.check_calls != "first"
-        or config.algorithm != "auto"
-        or config.format not in ("auto", "dense")
-        or layout is None
-        or request.problems
-    ):
-        return False
-    topology = Topology(transport.world, rpn)
-    return _held_now(
-        collective, config, _signature(request), layout, request.dtype, request.device, transport, topology
-    )
-
-
-def _held_now(
-    collective: str,
-    config: CollectiveConfig,
-    signature: tuple[int, ...],
-    layout: ChunkLayout,
-    dtype: torch.dtype,
-    device: torch.device,
-    transport: P2PTransport,
-    topology: Topology,
-) -> bool:
-    """For a call that may go native unexchanged (:func:`_goes_native_unexchanged`): whether its
-    shape was checked and it goes native now, because the shape is held native
-    (:class:`.state.NativeHolds`: its last exchanged call chose native; this spends one
-    call of the hold) or no sparse candidate can win: even its lower bound
-    (:meth:`.cost.CostModel.least_sparse`, what any data would cost it at least), corrected by
-    what the group learned, misses native's prediction by :data:`NATIVE_MARGIN`."""
-    state = state_of(transport)
-    if signature not in state.checked:
-        return False
-    if config.format == "dense" or state.holds.take(signature):
-        return True
-    rounds = exchange_rounds(protocol(transport.world), collective)
-    model = model_of(config, transport, topology, device).model  # made by the checked call already
-    corrections = corrections_of(config, transport)
-    factors = (
-        corrections.factors_for(collective, layout.numel * element_size(dtype), dtype)
-        if corrections is not None
-        else None
-    )
-    sparse_factor = min(
-        factor_of(factors, name) for name in ("ring/pici", "ring/coo", "direct/pici", "direct/coo", "hierarchical")
-    )
-    extra = (rounds - 1) * model.exchange_s  # what an exchange's further rounds would add to every candidate
-    native = (model.predict_native(collective, layout.numel, dtype, topology) + extra) * factor_of(
-        factors, "native/dense"
-    )
-    least = model.least_sparse(collective, layout.numel, dtype, topology, rounds) * sparse_factor
-    return least >= native * (1 - NATIVE_MARGIN)
-
-
-class _Route(NamedTuple):
-    """What a call shape that went native without an exchange needs for its next such call, made
-    once (:func:`_held_call`)."""
-
-    signature: tuple[int, ...]
-    layout: ChunkLayout
-    topology: Topology
-    fingerprint: str
-    predicted_s: float
-    """The native call's prediction, without an exchange or corrections."""
-    nbytes: int
-    dense: int
-    """The bytes a dense ring sends (the stats' ``bytes_sent`` and ``dense_bytes``)."""
-
-
-def _route_key(collective: str, config: CollectiveConfig, rpn: int | None, inp, out) -> tuple:
-    """What a call's signature depends on, read from its arguments without checking them (a key
-    of its group's ``routes``)."""
-    return (collective, config.fingerprint(), rpn, inp.numel(), out.numel(), inp.dtype, out.dtype, inp.device)
-
-
-def _held_route(
-    collective: str,
-    transport: P2PTransport,
-    config: CollectiveConfig,
-    rpn: int | None,
-    fingerprint: str,
-    request: Request,
-    layout: ChunkLayout,
-    inp: torch.Tensor,
-    out: torch.Tensor,
-) -> _Route:
-    """The route of a call that goes native unexchanged (made once per shape; remembered)."""
-    routes = state_of(transport).routes
-    key = _route_key(collective, config, rpn, inp, out)
-    route = routes.get(key)
-    if route is None:
-        if len(routes) >= 256:  # every rank forgets alike; a forgotten route is made again
-            routes.clear()
-        p = transport.world
-        topology = Topology(p, rpn)
-        model = model_of(config, transport, topology, inp.device).model
-        route = routes[key] = _Route(
-            signature=_signature(request),
-            layout=layout,
-            topology=topology,
-            fingerprint=fingerprint,
-            predicted_s=model.predict_native(collective, layout.numel, inp.dtype, topology, exchanges=0),
-            nbytes=layout.numel * inp.element_size(),
-            dense=dense_ring_bytes(collective, layout.numel, p, inp.element_size()),
-        )
-    return route
-
-
-def _held_call(
-    collective: str,
-    transport: P2PTransport,
-    config: CollectiveConfig,
-    inp: torch.Tensor,
-    out: torch.Tensor,
-    planning_stream: torch.cuda.Stream | None,
-) -> tuple[CollectiveStats, torch.cuda.Event | None] | None:
-    """The short path of a call that goes native without an exchange (``check_calls="first"``):
-    a call of a shape whose route the full path made, with no local problem, decided exactly as
-    :func:`_goes_native_unexchanged` decides, then :func:`_native_call`. ``None``: take the full
-    path. It skips the request, the layout, the model and topology look-ups and the native
-    prediction: on an H100 host a held call costs 0.13 ms of host time, 0.16 ms on the full path,
-    NCCL's own 0.04 ms."""
-    if config.algorithm != "auto" or config.format not in ("auto", "dense"):
-        return None
-    rpn = ranks_per_node(config, transport)
-    route = state_of(transport).routes.get(_route_key(collective, config, rpn, inp, out))
-    if route is None or _local_problems(collective, inp, out, transport)[0]:
-        return None
-    if not _held_now(
-        collective, config, route.signature, route.layout, inp.dtype, inp.device, transport, route.topology
-    ):
-        return None
-    timer = Span(inp.device)
-    if planning_stream is not None:  # the input is ready on the planning stream
-        torch.cuda.current_stream(inp.device).wait_stream(planning_stream)
-    corrections = corrections_of(config, transport)
-    return _native_call(collective, transport, route, inp.view(-1), out.view(-1), corrections, timer)
-
-
-def _native_call(
-    collective: str,
-    transport: P2PTransport,
-    route: _Route,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    corrections: Corrections | None,
-    timer: Span,
-) -> tuple[CollectiveStats, torch.cuda.Event | None]:
-    """The native collective with no exchange (:func:`_goes_native_unexchanged`)."""
-    native_collective(collective, transport, x, y)
-    event = timer.stop()
-    predicted = route.predicted_s
-    if corrections is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        corrections.called(collective, "native/dense", route.nbytes, predicted, timer, x.dtype, route.fingerprint)
-        predicted *= corrections.own_factor(collective, "native/dense", route.nbytes, x.dtype)
-    stats = CollectiveStats(
-        collective=collective,
-        algorithm="native",
-        format=Format.DENSE,
-        plan=None,
-        predicted_s=predicted,
-        candidates={"native/dense": predicted},
-        exchanges=0,
-        gather_counts="",
-        bytes_sent=route.dense,
-        dense_bytes=route.dense,
-        graph="",
-        _statuses=None,
-        _timer=timer,
-    )
-    return stats, event
 
 
 _bounded_plans = Memo("bounded plans", 64)
