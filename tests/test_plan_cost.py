@@ -630,7 +630,7 @@ def test_least_sparse_is_below_every_sparse_prediction(collective, world, rpn, d
 
 def test_a_near_tie_keeps_the_candidate_the_group_ran_last():
     """``prefer``: the group's last sparse candidate keeps winning within STICKY_MARGIN of the best,
-    and loses to one predicted clearly faster; native is never held on to."""
+    the native call included, and loses to one predicted clearly faster; native is never held on to."""
     from spccl_train.collectives.choice import STICKY_MARGIN
 
     layout = ChunkLayout.aligned(4 * 16 * TILE, 4)
@@ -647,6 +647,16 @@ def test_a_near_tie_keeps_the_candidate_the_group_ran_last():
     assert weigh(summary, cfg, F32, _model(), factors=near)[0].name == best.name  # nothing preferred
     assert weigh(summary, cfg, F32, _model(), factors=far, prefer=other)[0].name == best.name
     assert weigh(summary, cfg, F32, _model(), prefer="native/dense")[0].name == best.name
+    # the native call too replaces the last sparse candidate only when clearly faster
+    auto = CollectiveConfig()
+    best, weighed = weigh(summary, auto, F32, _model())
+    assert best.algorithm != "native", weighed
+    to_best = best.predicted_s / weighed["native/dense"]  # scales native's prediction to the best's
+    near = {"native/dense": to_best * (1 - 0.5 * STICKY_MARGIN)}  # native a little faster
+    far = {"native/dense": to_best * (1 - 2 * STICKY_MARGIN)}  # native clearly faster
+    assert weigh(summary, auto, F32, _model(), factors=near)[0].algorithm == "native"  # nothing preferred
+    assert weigh(summary, auto, F32, _model(), factors=near, prefer=best.name)[0].name == best.name
+    assert weigh(summary, auto, F32, _model(), factors=far, prefer=best.name)[0].algorithm == "native"
 
 
 def test_the_group_remembers_what_it_ran_by_collective_size_and_config():

@@ -250,7 +250,7 @@ def _pick(
         bar = best[3] * ((1 - NATIVE_MARGIN) if best[1] == "native" else (1 - 1e-9))
         if not dominated and candidate[3] < bar:
             best = candidate
-    if prefer is not None and prefer != best[0] and best[1] != "native" and STICKY_MARGIN > 0:
+    if prefer is not None and prefer != best[0] and STICKY_MARGIN > 0:
         kept = next((c for c in candidates if c[0] == prefer and c[5]), None)
         if kept is not None and kept[1] != "native" and kept[3] * (1 - STICKY_MARGIN) <= best[3]:
             best = kept
@@ -273,8 +273,12 @@ switch costs the new plan's first run: 2 ranks as 2 emulated nodes, 256 MiB and 
 ``auto`` alternated between ring/Pici and direct/Pici every call and ran 1.16-1.17x the better of
 the two. With 0.05, ``auto`` was within 10% of the best fixed candidate at 11 of 12 sweep points
 against 10 of 12 without, 4 ranks on one machine, and at 12 of 12 with 2 ranks
-(``bench/results/2026-11-26_wire/sticky``). The native call keeps its own :data:`NATIVE_MARGIN`
-and is never held on to this way."""
+(``bench/results/2026-11-26_wire/sticky``). The native call replaces it on the same terms: on 2
+H100s over NVLink, a 1 GiB fp32 all-reduce at 95% sat where the model priced direct/Pici about 10%
+below native, and ``auto`` went back and forth between the two (native then held, under
+``check_calls="first"``): 2.95 ms median against direct/Pici's 2.66 ms alone
+(``bench/results/2026-11-26_tenth/``). The native call itself is never held on to this way: a
+sparse candidate replaces it when predicted :data:`NATIVE_MARGIN` faster."""
 
 
 def _gather_modes(setting: str, fmt: Format) -> tuple[str, ...]:
