@@ -68,7 +68,8 @@ Add ``--patterns all`` for the structured patterns, ``--channels 1,2,4`` and
 ``--thresholds-sweep`` for the sweeps, ``--cuda-graphs`` to time the spccl methods replayed from
 CUDA graphs (``CollectiveConfig.cuda_graphs``: one count exchange per call, then a replay),
 ``--check-calls first`` to run them with ``CollectiveConfig.check_calls="first"`` (``auto`` holds
-a shape whose last exchanged call went native, or that no sparse candidate could win, with no exchange). Here, to check the script (CPU, gloo, tiny sizes)::
+a shape whose last exchanged call went native, or that no sparse candidate could win, with no
+exchange). Here, to check the script (CPU, gloo, tiny sizes)::
 
     torchrun --standalone --nproc-per-node=2 bench/bench_collectives.py --smoke --out-dir /tmp/x
 
