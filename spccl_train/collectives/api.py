@@ -268,8 +268,7 @@ def _call(
         graphed = _graphable(config, input, output, transport)
         route = (
             held.lookup(collective, transport, config, input, output)
-            if config.check_calls == "first" and bounds is None and encoded is None and planner is transport
-            and not graphed
+            if bounds is None and encoded is None and planner is transport and not graphed
             else None
         )  # fmt: skip
         ran = None
@@ -472,7 +471,7 @@ def _run(
         collective, config, key, counts, layout, inp.dtype, topology, r, model, factors, default_group, rounds,
         bounds is not None, prefer,
     )  # fmt: skip
-    if bounds is None and config.check_calls == "first" and config.algorithm == "auto" and config.format == "auto":
+    if bounds is None and held.applies(config):  # (a dense config's calls go native before the holds matter)
         state_of(transport).holds.decided(held.signature(request), choice.algorithm == "native")
     if choice.algorithm == "hierarchical":  # auto chose it: the steps exchange and plan on the node subgroups
         chosen = (choice.predicted_s, weighed)

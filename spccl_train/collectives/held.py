@@ -31,6 +31,7 @@ from .topology import Topology
 
 __all__ = [
     "Route",
+    "applies",
     "goes_native_unexchanged",
     "held_now",
     "lookup",
@@ -40,6 +41,12 @@ __all__ = [
     "run",
     "signature",
 ]
+
+
+def applies(config: CollectiveConfig) -> bool:
+    """Whether calls of ``config`` may run native without an exchange: ``check_calls="first"``, and
+    ``auto`` may choose native (``format`` auto or dense, ``algorithm`` auto)."""
+    return config.check_calls == "first" and config.algorithm == "auto" and config.format in ("auto", "dense")
 
 
 def signature(request: Request) -> tuple[int, ...]:
@@ -63,18 +70,11 @@ def goes_native_unexchanged(
     transport: P2PTransport,
     rpn: int | None,
 ) -> bool:
-    """Whether this call runs the native collective without a count exchange: ``check_calls="first"``,
-    ``auto`` may choose native (``format`` auto or dense, ``algorithm`` auto), an exchange already
-    checked this call's shape on every rank of the group, and :func:`held_now`. Every input is
-    equal on every rank (the shape, the config, the model, its corrections and the holds), so
-    every rank decides alike, as long as their calls have the same shape."""
-    if (
-        config.check_calls != "first"
-        or config.algorithm != "auto"
-        or config.format not in ("auto", "dense")
-        or layout is None
-        or request.problems
-    ):
+    """Whether this call runs the native collective without a count exchange: :func:`applies`, an
+    exchange already checked this call's shape on every rank of the group, and :func:`held_now`.
+    Every input is equal on every rank (the shape, the config, the model, its corrections and the
+    holds), so every rank decides alike, as long as their calls have the same shape."""
+    if not applies(config) or layout is None or request.problems:
         return False
     topology = Topology(transport.world, rpn)
     return held_now(collective, config, signature(request), layout, request.dtype, request.device, transport, topology)
@@ -179,7 +179,7 @@ def lookup(
 ) -> Route | None:
     """The route of this call's shape, if a call of it went native unexchanged on the full path
     (``None``: take the full path). The caller checks the tensors before :func:`run`."""
-    if config.algorithm != "auto" or config.format not in ("auto", "dense"):
+    if not applies(config):
         return None
     return state_of(transport).routes.get(route_key(collective, config, ranks_per_node(config, transport), inp, out))
 
