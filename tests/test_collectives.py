@@ -38,11 +38,21 @@ import torch.distributed as dist
 from _pool import pool_factory
 
 import spccl_train
-from spccl_train.collectives import CollectiveConfig, CostModel, EncodedPieces, Phase, Thresholds, api, last_stats
+from spccl_train.collectives import (
+    CollectiveConfig,
+    CostModel,
+    EncodedPieces,
+    Phase,
+    Thresholds,
+    api,
+    last_stats,
+    learned_corrections,
+)
 from spccl_train.collectives.choice import NATIVE_MARGIN
 from spccl_train.collectives.chunking import ChunkLayout
 from spccl_train.collectives.cost import CodecCost, LinkCost
 from spccl_train.collectives.exchange import exchange_rounds
+from spccl_train.collectives.feedback import kind_of
 from spccl_train.formats import Format, compress_into, message_bytes
 
 SEED = int(os.environ.get("SPCCL_TEST_SEED", random.SystemRandom().randrange(2**31)))
@@ -497,6 +507,41 @@ def test_a_native_shape_is_held_without_exchanges(pools):
     # the first held call takes the full path and leaves its route; later ones take the short path
     assert requests == [True, True, True, False, False, True, False, False, False, False, True, True, True, True]
     assert all(a == "native" for _, a in seen[:10]) and all(a != "native" for _, a in seen[10:]), seen
+
+
+def _job_held_verdict(rank, world, seed):
+    """A short-path call keeps its route's verdict (no sparse candidate can win) until the group's
+    corrections change (their ``revision``); then it weighs again and exchanges. Native's
+    correction factor is set by hand, alike on every rank, to make each verdict certain."""
+    cfg = CollectiveConfig(check_calls="first")  # the measured model, with corrections
+    n = 256 + random.Random(seed).randrange(256)
+    corrections = learned_corrections()
+    kind = kind_of("all_reduce", "native/dense", 4 * n, torch.float32)
+
+    def native_corrected(factor: float, revise: bool = True) -> None:
+        corrections.factors[kind], corrections.seen[kind] = factor, 2
+        corrections.revision += revise
+
+    exchanged = []
+    for call in range(5):
+        if call < 2:  # native predicted fast (the first call's exchange may learn: set it again)
+            native_corrected(1e-3)
+        elif call == 3:  # native predicted slow, unrevised: the route keeps its verdict
+            native_corrected(1e6, revise=False)
+        elif call == 4:  # revised: weighed again, and no longer sure, the call exchanges
+            native_corrected(1e6)
+        x = torch.full((n,), float(rank + 1))
+        spccl_train.all_reduce(x, config=cfg)
+        assert torch.equal(x, torch.full((n,), float(world * (world + 1) // 2)))
+        exchanged.append(last_stats().exchanges)
+    return exchanged
+
+
+def test_a_held_route_weighs_again_when_corrections_change(pools):
+    got = pools(2).run(_job_held_verdict, _seed("verdict"))
+    # exchanged and held for one call (the full path, which leaves the route); the short path
+    # with the verdict made, then kept; weighed again and exchanged
+    assert got[0] == got[1] == [1, 0, 0, 0, 1]
 
 
 def _job_world1(rank, world, seed):

@@ -287,10 +287,11 @@ def test_a_far_miss_moves_the_factor_halfway_and_a_near_one_does_not():
     want = [error ** (1 - 0.5**k) for k in (1, 2)]
     assert factors[:2] == pytest.approx(want, rel=1e-5)  # times travel as whole nanoseconds
     assert factors[-1] == factors[-2] and abs(math.log(error / factors[-1])) <= math.log(feedback.FAR)
-    version = c.version
+    version, revision = c.version, c.revision
     assert not observe(predicted * factors[-1] * 1.2)  # near its corrected prediction: kept
+    assert c.revision == revision + 1  # an observation counted: what factors_for returns may move
     assert not observe(predicted * error, [-1, 5])  # a rank that had not finished: nothing learned
-    assert c.version == version
+    assert c.version == version and c.revision == revision + 1
     # other sizes, collectives and element types have factors of their own
     assert c.factors_for("all_reduce", nbytes * 16) == {} and c.factors_for("all_gather", nbytes) == {}
     assert c.factors_for("all_reduce", nbytes, torch.bfloat16) == {}

@@ -63,6 +63,7 @@ __all__ = [
     "UNOBSERVED",
     "Corrections",
     "factor_of",
+    "kind_of",
     "size_class",
 ]
 
@@ -103,6 +104,13 @@ def size_class(nbytes: int) -> int:
     return round(math.log(max(nbytes, 1), 4))
 
 
+def kind_of(
+    collective: str, candidate: str, nbytes: int, dtype: torch.dtype | None = None
+) -> tuple[str, str, int, str]:
+    """The kind of call a factor belongs to: collective, candidate, :func:`size_class`, element type."""
+    return (collective, candidate, size_class(nbytes), _type_name(dtype))
+
+
 @dataclasses.dataclass(slots=True)
 class _Pending:
     kind: tuple[str, str, int, str]
@@ -115,12 +123,14 @@ class Corrections:
     """One group's correction factors, and this rank's last call on the group, not yet reported.
 
     Every rank of the group holds an equal copy: it changes only in :meth:`learn`, from the
-    exchanged row of times. ``version`` counts the changes (for logs and tests); decisions are
-    memoised under the factors themselves (:func:`~.choice.decide`), so a corrected model is
+    exchanged row of times. ``version`` counts the changes of a factor (for logs and tests);
+    ``revision`` counts every change of what :meth:`factors_for` returns (a factor, or an
+    observation that lets one count), for results kept until it moves (``held.Route``); decisions
+    are memoised under the factors themselves (:func:`~.choice.decide`), so a corrected model is
     weighed afresh.
     """
 
-    __slots__ = ("factors", "last", "seen", "version", "_pending")
+    __slots__ = ("factors", "last", "seen", "version", "revision", "_pending")
 
     def __init__(self) -> None:
         self.factors: dict[tuple[str, str, int, str], float] = {}
@@ -132,6 +142,7 @@ class Corrections:
         (for ``choice.weigh``'s ``prefer``); the scope names the config that chose it, so that a
         call of a fixed format and algorithm does not become the preference of ``auto``'s calls."""
         self.version = 0
+        self.revision = 0
         self._pending: _Pending | None = None
 
     def factors_for(self, collective: str, nbytes: int, dtype: torch.dtype | None = None) -> dict[str, float]:
@@ -154,7 +165,10 @@ class Corrections:
         """:func:`factor_of` ``factors_for(collective, nbytes, dtype)`` for a candidate of
         :data:`OWN_ONLY` (the native call), without making the whole dict."""
         assert candidate in OWN_ONLY, candidate
-        kind = (collective, candidate, size_class(nbytes), _type_name(dtype))
+        return self.own_factor_of(kind_of(collective, candidate, nbytes, dtype))
+
+    def own_factor_of(self, kind: tuple[str, str, int, str]) -> float:
+        """:meth:`own_factor` of a :func:`kind_of`."""
         return self.factors.get(kind, 1.0) if self.seen.get(kind, 0) > 1 else 1.0
 
     def called(
@@ -170,8 +184,12 @@ class Corrections:
         """Remember this rank's call (its uncorrected prediction and its timer) for the next exchange,
         and that the group ran ``candidate`` under the config ``scope`` names (every rank of the
         group calls this alike)."""
-        size, of = size_class(nbytes), _type_name(dtype)
-        self._pending = _Pending((collective, candidate, size, of), predicted_s, timer)
+        self.ran(kind_of(collective, candidate, nbytes, dtype), predicted_s, timer, scope)
+
+    def ran(self, kind: tuple[str, str, int, str], predicted_s: float, timer: Span, scope: str = "") -> None:
+        """:meth:`called`, for a call of a :func:`kind_of` made beforehand."""
+        collective, candidate, size, of = kind
+        self._pending = _Pending(kind, predicted_s, timer)
         self.last[(collective, size, of, scope)] = candidate
 
     def last_run(self, collective: str, nbytes: int, dtype: torch.dtype | None = None, scope: str = "") -> str | None:
@@ -201,6 +219,7 @@ class Corrections:
             return False
         kind = pending.kind
         self.seen[kind] = self.seen.get(kind, 0) + 1
+        self.revision += 1
         if self.seen[kind] == 1:  # warm-up; learning will start from the share it is weighed with now
             share = self._shared(kind)
             if share is not None and kind[1] not in OWN_ONLY:

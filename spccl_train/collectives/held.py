@@ -10,8 +10,6 @@ checks, :func:`run`. Both paths decide with :func:`held_now`, from inputs equal 
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from .._timing import Span
@@ -24,7 +22,7 @@ from .config import CollectiveConfig
 from .context import corrections_of, model_of, ranks_per_node
 from .exchange import Request, exchange_rounds, protocol
 from .executors import native_collective
-from .feedback import Corrections, factor_of
+from .feedback import Corrections, factor_of, kind_of
 from .state import state_of
 from .stats import CollectiveStats, dense_ring_bytes
 from .topology import Topology
@@ -89,21 +87,26 @@ def held_now(
     device: torch.device,
     transport: P2PTransport,
     topology: Topology,
+    route: Route | None = None,
 ) -> bool:
     """For a call that may go native unexchanged (:func:`goes_native_unexchanged`): whether its
     shape was checked and it goes native now, because the shape is held native
     (:class:`.state.NativeHolds`: its last exchanged call chose native; this spends one
     call of the hold) or no sparse candidate can win: even its lower bound
     (:meth:`.cost.CostModel.least_sparse`, what any data would cost it at least), corrected by
-    what the group learned, misses native's prediction by :data:`NATIVE_MARGIN`."""
+    what the group learned, misses native's prediction by :data:`NATIVE_MARGIN`. A ``route``
+    keeps that last verdict while the group's corrections stay as they were."""
     state = state_of(transport)
     if signature not in state.checked:
         return False
     if config.format == "dense" or state.holds.take(signature):
         return True
+    corrections = corrections_of(config, transport)
+    revision = -1 if corrections is None else corrections.revision
+    if route is not None and route.verdict is not None and route.verdict[0] == revision:
+        return route.verdict[1]
     rounds = exchange_rounds(protocol(transport.world), collective)
     model = model_of(config, transport, topology, device).model  # made by the checked call already
-    corrections = corrections_of(config, transport)
     factors = (
         corrections.factors_for(collective, layout.numel * element_size(dtype), dtype)
         if corrections is not None
@@ -117,22 +120,41 @@ def held_now(
         factors, "native/dense"
     )
     least = model.least_sparse(collective, layout.numel, dtype, topology, rounds) * sparse_factor
-    return least >= native * (1 - NATIVE_MARGIN)
+    verdict = least >= native * (1 - NATIVE_MARGIN)
+    if route is not None:
+        route.verdict = (revision, verdict)
+    return verdict
 
 
-class Route(NamedTuple):
+class Route:
     """What a call shape that went native without an exchange needs for its next such call, made
-    once (:func:`run`)."""
+    once (:func:`route_of`)."""
 
-    signature: tuple[int, ...]
-    layout: ChunkLayout
-    topology: Topology
-    fingerprint: str
-    predicted_s: float
-    """The native call's prediction, without an exchange or corrections."""
-    nbytes: int
-    dense: int
-    """The bytes a dense ring sends (the stats' ``bytes_sent`` and ``dense_bytes``)."""
+    __slots__ = ("signature", "layout", "topology", "fingerprint", "predicted_s", "kind", "dense", "verdict")
+
+    def __init__(
+        self,
+        signature: tuple[int, ...],
+        layout: ChunkLayout,
+        topology: Topology,
+        fingerprint: str,
+        predicted_s: float,
+        kind: tuple[str, str, int, str],
+        dense: int,
+    ) -> None:
+        self.signature = signature
+        self.layout = layout
+        self.topology = topology
+        self.fingerprint = fingerprint
+        self.predicted_s = predicted_s
+        """The native call's prediction, without an exchange or corrections."""
+        self.kind = kind
+        """The native call's kind of correction (:func:`.feedback.kind_of`)."""
+        self.dense = dense
+        """The bytes a dense ring sends (the stats' ``bytes_sent`` and ``dense_bytes``)."""
+        self.verdict: tuple[int, bool] | None = None
+        """:func:`held_now`'s last verdict from the model: the corrections' revision it was made
+        under, and whether no sparse candidate could win."""
 
 
 def route_key(collective: str, config: CollectiveConfig, rpn: int | None, inp, out) -> tuple:
@@ -168,7 +190,7 @@ def route_of(
             topology=topology,
             fingerprint=fingerprint,
             predicted_s=model.predict_native(collective, layout.numel, inp.dtype, topology, exchanges=0),
-            nbytes=layout.numel * inp.element_size(),
+            kind=kind_of(collective, "native/dense", layout.numel * inp.element_size(), inp.dtype),
             dense=dense_ring_bytes(collective, layout.numel, p, inp.element_size()),
         )
     return route
@@ -196,10 +218,9 @@ def run(
     """The short path of a call of ``route``'s shape, its tensors checked: decided exactly as
     :func:`goes_native_unexchanged` decides, then :func:`native_call` (``None``: the call
     exchanges, on the full path). It skips the request, the layout, the model and topology
-    look-ups and the native prediction: on an H100 host a held call costs 0.13 ms of host time,
-    0.16 ms on the full path, NCCL's own 0.04 ms."""
+    look-ups, the native prediction and, while the group's corrections stand, the model's verdict."""
     if not held_now(
-        collective, config, route.signature, route.layout, inp.dtype, inp.device, transport, route.topology
+        collective, config, route.signature, route.layout, inp.dtype, inp.device, transport, route.topology, route
     ):
         return None
     timer = Span(inp.device)
@@ -223,8 +244,8 @@ def native_call(
     event = timer.stop()
     predicted = route.predicted_s
     if corrections is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        corrections.called(collective, "native/dense", route.nbytes, predicted, timer, x.dtype, route.fingerprint)
-        predicted *= corrections.own_factor(collective, "native/dense", route.nbytes, x.dtype)
+        corrections.ran(route.kind, predicted, timer, route.fingerprint)
+        predicted *= corrections.own_factor_of(route.kind)
     stats = CollectiveStats(
         collective=collective,
         algorithm="native",

@@ -143,11 +143,12 @@ _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def group_state(group: dist.ProcessGroup | None) -> GroupState:
     """The state of ``group`` (``None``: the default group), made on first use."""
-    if not (dist.is_available() and dist.is_initialized()):
-        P2PTransport(group)  # raises the not-initialised error
-    key = group if group is not None else dist.group.WORLD
-    state = _groups.get(key)
+    key = group if group is not None or not dist.is_available() else dist.group.WORLD  # None before init
+    state = _groups.get(key) if key is not None else None
     if state is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            P2PTransport(group)  # raises the not-initialised error
+        key = group if group is not None else dist.group.WORLD
         state = _groups[key] = GroupState(P2PTransport(group))
     return state
 
