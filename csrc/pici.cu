@@ -225,14 +225,10 @@ enum Mode : int {
 
 // The checks of one tile every decoder makes (warp-wide, lane l holding columns 2l, 2l+1): the
 // words `w` (and a prior's `pw`) mark nothing at or past n, the index steps up by the tile's
-// popcount, and stays within nnz. Returns the status bits (0: good); `inclusive` and `total`
-// get the lane's inclusive column-pair prefix and the tile's count.
-__device__ __forceinline__ int check_tile(ulonglong2 w, ulonglong2 pw, uint32_t lo, uint32_t hi, int64_t nnz,
-                                          int64_t tile, int64_t n, int lane, uint32_t& inclusive, uint32_t& total) {
+// popcount `total`, and stays within nnz. Returns the status bits (0: good).
+__device__ __forceinline__ int tile_status(ulonglong2 w, ulonglong2 pw, uint32_t lo, uint32_t hi, uint32_t total,
+                                           int64_t nnz, int64_t tile, int64_t n, int lane) {
   const int c0 = 2 * lane, c1 = c0 + 1;
-  const uint32_t n0 = __popcll(w.x), n1 = __popcll(w.y);
-  inclusive = warp_inclusive_scan(n0 + n1, lane);
-  total = __shfl_sync(kFullMask, inclusive, 31);
   const int64_t rest = n - tile * kTile;
   bool past_end = false;
   if (rest < kTile) {  // column c holds rows r with 64 r + c < rest
@@ -247,6 +243,14 @@ __device__ __forceinline__ int check_tile(ulonglong2 w, ulonglong2 pw, uint32_t 
   return bad;
 }
 
+// tile_status, with the lane's inclusive column-pair prefix and the tile's count.
+__device__ __forceinline__ int check_tile(ulonglong2 w, ulonglong2 pw, uint32_t lo, uint32_t hi, int64_t nnz,
+                                          int64_t tile, int64_t n, int lane, uint32_t& inclusive, uint32_t& total) {
+  inclusive = warp_inclusive_scan(__popcll(w.x) + __popcll(w.y), lane);
+  total = __shfl_sync(kFullMask, inclusive, 31);
+  return tile_status(w, pw, lo, hi, total, nnz, tile, n, lane);
+}
+
 // Payloads of at most this many nonzeros per 100 elements accumulate with the warp-per-tile
 // kernel, denser ones with the block-per-tile one. Both kernels are launched; each reads nnz and
 // one returns at once. Measured on H200 (1 GiB fp32, fraction of copy; bench/results/NOTES.md),
@@ -259,6 +263,15 @@ __device__ __forceinline__ int check_tile(ulonglong2 w, ulonglong2 pw, uint32_t 
 constexpr int64_t kSparsePercent = SPCCL_SPARSE_PERCENT;
 
 __device__ __forceinline__ bool sparse_payload(int64_t nnz, int64_t n) { return 100 * nnz <= kSparsePercent * n; }
+
+// Sum over the warp, the same in every lane: one instruction from sm_80 on.
+__device__ __forceinline__ uint32_t warp_total(uint32_t v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_add_sync(kFullMask, v);
+#else
+  return warp_sum(v);
+#endif
+}
 
 // Overwrite decodes a tile of 16-bit elements with at most this many nonzeros by zeroing it with
 // 16-byte stores and then storing the marked elements; denser tiles, and 32-bit ones that are not
@@ -292,29 +305,26 @@ __device__ __forceinline__ uint32_t stage_run(V* stage_s, const V* __restrict__ 
   return lo - first;
 }
 
-// Decompression, one block per tile. Every warp reads the tile's 64 words and index step (L1
-// broadcasts; the next tile's are prefetched into registers), and each warp writes 8 rows: lane l
-// owns columns 2l and 2l+1, holds their words and offsets in registers, and stores each row as one
-// coalesced pair per lane, gathering values at colprefix + popcount(word below the row).
-// Accumulation (of dense payloads; sparse ones go to pici_sparse_decode_kernel) reads the marked
-// elements of dst, stages the tile's run of A in shared memory (gathers there cost a few bank
-// conflicts where L1 replays per line; measured +10-15 points), and then adds and writes the
-// marked elements only. Every read is issued before the staging: a read, add and write of one
-// element after another waited out a memory round trip each (H100, 90% sparsity: 0.33 of copy
-// for bf16, 0.74 for fp32);
-// overwrite gathers straight from A through L1, which measured faster than staging's two
-// barriers, and writes every element.
-template <typename V, typename D, bool kAccumulate>
-__global__ void __launch_bounds__(kThreads, kAccumulate ? 4 : 6) pici_decompress_kernel(
+// Accumulation of dense payloads (sparse ones go to pici_sparse_decode_kernel), one block per
+// tile. Every warp reads the tile's 64 words and index step (L1 broadcasts; the next tile's are
+// prefetched into registers), and each warp takes 8 rows: lane l owns columns 2l and 2l+1 and
+// holds their words and offsets in registers. It reads the marked elements of dst, stages the
+// tile's run of A in shared memory (gathers there cost a few bank conflicts where L1 replays per
+// line; measured +10-15 points), and then adds and writes the marked elements only, gathering
+// values at colprefix + popcount(word below the row) (a running offset instead measured 10-20
+// points slower here: the kernel is at its 64-register cap). Every read is issued before the
+// staging: a read, add and write of one element after another waited out a memory round trip
+// each (H100, 90% sparsity: 0.33 of copy for bf16, 0.74 for fp32).
+template <typename V, typename D>
+__global__ void __launch_bounds__(kThreads, 4) pici_accumulate_kernel(
     const uint8_t* __restrict__ payload, int64_t capacity, int64_t n, int64_t tiles,
-    int64_t index_offset, int64_t values_offset, D* __restrict__ dst, bool aligned,
-    int32_t* __restrict__ status) {
+    int64_t index_offset, int64_t values_offset, D* __restrict__ dst, int32_t* __restrict__ status) {
   constexpr int kRows = kTileRows / (kThreads / 32);  // rows per warp
-  union Pair {
+  union Pair {  // a row's two elements in one register for 16-bit types
     D e[2];
     typename std::conditional<sizeof(D) == 4, uint2, uint32_t>::type vec;
   };
-  __shared__ __align__(16) V stage_s[kAccumulate ? kTile + 16 / sizeof(V) : 1];
+  __shared__ __align__(16) V stage_s[kTile + 16 / sizeof(V)];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned long long* bits = reinterpret_cast<const unsigned long long*>(payload);
   const uint32_t* index = reinterpret_cast<const uint32_t*>(payload + index_offset);
@@ -326,8 +336,8 @@ __global__ void __launch_bounds__(kThreads, kAccumulate ? 4 : 6) pici_decompress
     if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(status, kBadNnz);
     return;
   }
-  if (kAccumulate && sparse_payload(nnz, n)) return;  // the warp-per-tile kernel decodes it
-  const int c0 = 2 * lane, c1 = c0 + 1;
+  if (sparse_payload(nnz, n)) return;  // the warp-per-tile kernel decodes it
+  const int c0 = 2 * lane;
   // The next tile's words and index step are loaded while this tile's rows are written.
   ulonglong2 w_next = make_ulonglong2(0ull, 0ull);
   uint32_t lo_next = 0, hi_next = 0;
@@ -351,84 +361,199 @@ __global__ void __launch_bounds__(kThreads, kAccumulate ? 4 : 6) pici_decompress
       continue;
     }
     const uint32_t n0 = __popcll(w.x);
-    const int64_t base = tile * kTile;
-    D* out = dst + base + c0;
+    D* out = dst + tile * kTile + c0;
+    // Read every marked element of the warp's rows before anything waits on one, so that the
+    // reads are in flight together and with the staging. Marked bits lie below n (checked above).
     Pair row[kRows];
-    const V* col0;
-    if constexpr (kAccumulate) {
-      // Read every marked element of the warp's rows before anything waits on one, so that the
-      // reads are in flight together and with the staging. Marked bits lie below n (checked above).
 #pragma unroll
-      for (int i = 0; i < kRows; ++i) {
-        const int r = warp * kRows + i;
-        if ((w.x >> r) & 1ull) row[i].e[0] = out[r * kTileRows];
-        if ((w.y >> r) & 1ull) row[i].e[1] = out[r * kTileRows + 1];
-      }
-      __syncthreads();  // the previous tile's gathers are done with stage_s
-      const uint32_t shift = stage_run(stage_s, values, lo, total, values_aligned);
-      __syncthreads();
-      col0 = stage_s + shift + (inclusive - n0 - __popcll(w.y));
-    } else {
-      col0 = values + lo + (inclusive - n0 - __popcll(w.y));
+    for (int i = 0; i < kRows; ++i) {
+      const int r = warp * kRows + i;
+      if ((w.x >> r) & 1ull) row[i].e[0] = out[r * kTileRows];
+      if ((w.y >> r) & 1ull) row[i].e[1] = out[r * kTileRows + 1];
     }
+    __syncthreads();  // the previous tile's gathers are done with stage_s
+    const uint32_t shift = stage_run(stage_s, values, lo, total, values_aligned);
+    __syncthreads();
+    const V* col0 = stage_s + shift + (inclusive - n0 - __popcll(w.y));
     const V* col1 = col0 + n0;
-    if constexpr (kAccumulate) {
-      // Add to and write the marked elements only: unmarked ones keep their bits.
+    // Add to and write the marked elements only: unmarked ones keep their bits.
 #pragma unroll
-      for (int i = 0; i < kRows; ++i) {
-        const int r = warp * kRows + i;
-        const unsigned long long below = (1ull << r) - 1ull;
-        if ((w.x >> r) & 1ull) out[r * kTileRows] = from_float<D>(to_float(row[i].e[0]) + to_float(col0[__popcll(w.x & below)]));
-        if ((w.y >> r) & 1ull) out[r * kTileRows + 1] = from_float<D>(to_float(row[i].e[1]) + to_float(col1[__popcll(w.y & below)]));
-      }
-    } else if (total <= kScatterMax<D>) {
-      // A sparse tile (or an empty one): zero the warp's rows with 16-byte stores, then store its
+    for (int i = 0; i < kRows; ++i) {
+      const int r = warp * kRows + i;
+      const unsigned long long below = (1ull << r) - 1ull;
+      if ((w.x >> r) & 1ull) out[r * kTileRows] = from_float<D>(to_float(row[i].e[0]) + to_float(col0[__popcll(w.x & below)]));
+      if ((w.y >> r) & 1ull) out[r * kTileRows + 1] = from_float<D>(to_float(row[i].e[1]) + to_float(col1[__popcll(w.y & below)]));
+    }
+  }
+}
+
+// Overwrite decode by columns, one block per tile (32-bit and 16-bit elements). The values of a
+// column lie together in A, so lanes that take one column's rows read neighbouring values, and
+// write them into the tile in shared memory; after one barrier each thread stores whole 16-byte
+// pieces of rows. A row-wise gather (lane l owning columns 2l and 2l + 1, as pici_accumulate_kernel
+// does from shared memory) sends each lane to its own column, 32 places of A per load; here a load
+// touches one or two lines per column it reads. Warp w takes
+// column pairs 4w to 4w + 3:
+// - 32-bit elements: lane r takes rows r and r + 32 of each pair (a row's rank in its column is a
+//   popcount of the column word below it); the pair's words come by broadcast loads, the starts
+//   from one warp-wide sum;
+// - 16-bit elements: eight lanes take a pair, eight rows each (offsets from popcounts of the
+//   lane's eight bits) and one 32-bit word (the pair) per row: fewer instructions per value,
+//   which bound bf16 (fp32 is bound by memory).
+// In shared memory word k of row r (an element, or a column pair of 16-bit ones) sits at
+// k ^ swizzle(r), with swizzle(r) = r % 32 (32-bit) or 4 (r / 8) (16-bit): each store of the
+// columns falls in 32 banks, and a row's aligned 16-byte pieces stay whole (their words permuted
+// by swizzle % 4). Two buffers take turns, so one barrier per tile keeps a tile's writes off the
+// one its row stores still read. Empty tiles are zeroed without shared memory, and 16-bit tiles
+// with at most kScatterMax nonzeros are zeroed, then scattered.
+// `kBlocks`: resident blocks per SM (a register cap). 16-bit payloads of more than
+// kDenseColumnPercent nonzeros per 100 elements decode with kDenseColumnBlocks, others with
+// kColumnBlocks; both kernels are launched, and the one the payload's density does not suit
+// returns after reading nnz. Measured on H100 (1 GiB bf16, fraction of copy, 6 -> 8 blocks):
+// 0.82 -> 0.86 at 50% sparsity, 0.79-0.81 -> 0.83 at 75-95%, but 0.83 -> 0.81 at 97%, 0.84 ->
+// 0.80 at 99% and 0.86 -> 0.85 at 99.9%, where the tiles are zeroed and scattered.
+constexpr int kColumnBlocks = 6;
+constexpr int kDenseColumnBlocks = 8;
+constexpr int64_t kDenseColumnPercent = 4;
+
+template <typename V, int kBlocks>
+__global__ void __launch_bounds__(kThreads, kBlocks) pici_column_decode_kernel(
+    const uint8_t* __restrict__ payload, int64_t capacity, int64_t n, int64_t tiles, int64_t index_offset,
+    int64_t values_offset, V* __restrict__ dst, bool aligned, int32_t* __restrict__ status) {
+  constexpr bool kWide = sizeof(V) == 2;                     // two columns per 32-bit word
+  constexpr int kWords = kWide ? kTileRows / 2 : kTileRows;  // 32-bit words per row
+  constexpr int kRows = kTileRows / (kThreads / 32);         // rows per warp (zero and scatter)
+  constexpr int kPairs = kTileRows / 2 / (kThreads / 32);    // column pairs per warp
+  __shared__ __align__(16) uint32_t tile_s[2][kTileRows * kWords];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned long long* bits = reinterpret_cast<const unsigned long long*>(payload);
+  const uint32_t* index = reinterpret_cast<const uint32_t*>(payload + index_offset);
+  const V* values = reinterpret_cast<const V*>(payload + values_offset);
+  const int64_t nnz = index[tiles];
+  if (kWide && (100 * nnz > kDenseColumnPercent * n) != (kBlocks == kDenseColumnBlocks)) return;  // the other's
+  const int64_t value_room = (capacity - values_offset) / int64_t(sizeof(V));
+  if (nnz > n || nnz > value_room) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(status, kBadNnz);
+    return;
+  }
+  const int c0 = 2 * lane;
+  ulonglong2 w_next = make_ulonglong2(0ull, 0ull);
+  uint32_t lo_next = 0, hi_next = 0;
+  if (blockIdx.x < tiles) {
+    w_next = reinterpret_cast<const ulonglong2*>(bits + int64_t(blockIdx.x) * kTileRows)[lane];
+    lo_next = index[blockIdx.x];
+    hi_next = index[blockIdx.x + 1];
+  }
+  int turn = 0;  // the buffer of the next tile decoded through shared memory
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const ulonglong2 w = w_next;
+    const uint32_t lo = lo_next, hi = hi_next;
+    if (tile + gridDim.x < tiles) {
+      w_next = reinterpret_cast<const ulonglong2*>(bits + (tile + gridDim.x) * kTileRows)[lane];
+      lo_next = index[tile + gridDim.x];
+      hi_next = index[tile + gridDim.x + 1];
+    }
+    const uint32_t count = __popcll(w.x) + __popcll(w.y);  // of this lane's column pair
+    const uint32_t total = warp_total(count);
+    const int bad = tile_status(w, make_ulonglong2(0ull, 0ull), lo, hi, total, nnz, tile, n, lane);
+    if (bad) {  // block-uniform: every warp computed the same `bad`
+      if (warp == 0 && lane == 0) atomicOr(status, bad);
+      continue;
+    }
+    const int64_t base = tile * kTile;
+    const bool full = aligned && n - base >= kTile;
+    V* out = dst + base;
+    if (total <= kScatterMax<V>) {
+      // Empty, or a sparse 16-bit tile: zero the warp's rows with 16-byte stores, then store the
       // marked elements, each lane walking the set bits of its two columns' words.
-      const unsigned long long above = (1ull << (warp * kRows)) - 1ull;
-      const V* at0 = col0 + __popcll(w.x & above);
-      const V* at1 = col1 + __popcll(w.y & above);
-      D* rows = dst + base + warp * kRows * kTileRows;
-      if (aligned && n - base >= kTile) {
-        constexpr int kVectors = kRows * kTileRows * int(sizeof(D)) / 16;
+      V* rows = out + warp * kRows * kTileRows;
+      if (full) {
+        constexpr int kVectors = kRows * kTileRows * int(sizeof(V)) / 16;
 #pragma unroll
         for (int v = lane; v < kVectors; v += 32) reinterpret_cast<uint4*>(rows)[v] = make_uint4(0u, 0u, 0u, 0u);
       } else {
         for (int i = lane; i < kRows * kTileRows; i += 32)
-          if (base + warp * kRows * kTileRows + i < n) rows[i] = D(0);
+          if (base + warp * kRows * kTileRows + i < n) rows[i] = V(0);
       }
+      if (total == 0) continue;
+      const uint32_t inclusive = warp_inclusive_scan(count, lane);
       __syncwarp();  // the zeros land before the lanes' marked elements
+      const unsigned long long above = (1ull << (warp * kRows)) - 1ull;
+      const V* at0 = values + lo + (inclusive - count) + __popcll(w.x & above);
+      const V* at1 = values + lo + (inclusive - __popcll(w.y)) + __popcll(w.y & above);
       uint32_t k = 0;
       for (uint32_t m = uint32_t(w.x >> (warp * kRows)) & 0xffu; m; m &= m - 1)
-        out[(warp * kRows + __ffs(m) - 1) * kTileRows] = at0[k++];
+        out[(warp * kRows + __ffs(m) - 1) * kTileRows + c0] = at0[k++];
       k = 0;
       for (uint32_t m = uint32_t(w.y >> (warp * kRows)) & 0xffu; m; m &= m - 1)
-        out[(warp * kRows + __ffs(m) - 1) * kTileRows + 1] = at1[k++];
-    } else {
-      // A dense tile: each column's values from the warp's first row on, one more per marked row
-      // (a running offset: +5-8 points for 16-bit elements over a popcount per row, but -10 to
-      // -20 points in accumulation, which keeps the popcount); a coalesced pair per row and lane.
-      const unsigned long long above = (1ull << (warp * kRows)) - 1ull;
-      const V* at0 = col0 + __popcll(w.x & above);
-      const V* at1 = col1 + __popcll(w.y & above);
+        out[(warp * kRows + __ffs(m) - 1) * kTileRows + c0 + 1] = at1[k++];
+      continue;
+    }
+    // Columns into buf: word w of row r at w ^ swizzle(r).
+    uint32_t* buf = tile_s[turn];
+    turn ^= 1;
+    const ulonglong2* words = reinterpret_cast<const ulonglong2*>(bits + tile * kTileRows);  // a pair each
+    if constexpr (kWide) {
+      // Lanes 8j .. 8j + 7 take pair 4w + j, lane 8j + l its rows 8l .. 8l + 7 (running offsets
+      // down both columns, a 32-bit word per row); its words sit at pair ^ 4l, 32 banks a store.
+      const int j = lane >> 3, l = lane & 7, pair = kPairs * warp + j;
+      const ulonglong2 ab = words[pair];
+      const uint32_t inclusive = warp_inclusive_scan(count, lane);
+      const uint32_t sa = lo + __shfl_sync(kFullMask, inclusive - count, pair), sb = sa + __popcll(ab.x);
+      const unsigned long long above = (1ull << (8 * l)) - 1ull;
+      const uint32_t at_a = sa + __popcll(ab.x & above), at_b = sb + __popcll(ab.y & above);
+      const uint32_t ma = uint32_t(ab.x >> (8 * l)) & 0xffu, mb = uint32_t(ab.y >> (8 * l)) & 0xffu;
+      uint32_t* row = buf + 8 * l * kWords + (pair ^ (4 * l));
 #pragma unroll
-      for (int i = 0; i < kRows; ++i) {
-        const int r = warp * kRows + i;
-        const bool m0 = (w.x >> r) & 1ull, m1 = (w.y >> r) & 1ull;
-        row[i].e[0] = m0 ? *at0 : D(0);
-        row[i].e[1] = m1 ? *at1 : D(0);
-        at0 += m0;
-        at1 += m1;
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t below = (1u << i) - 1u;  // this lane's rows above row 8l + i
+        const uint32_t va = (ma >> i) & 1u ? uint32_t(values[at_a + __popc(ma & below)]) : 0u;
+        const uint32_t vb = (mb >> i) & 1u ? uint32_t(values[at_b + __popc(mb & below)]) : 0u;
+        row[i * kWords] = __byte_perm(va, vb, 0x5410);  // column 2 pair in the low half
       }
-      const bool full = aligned && n - base >= kTile;
+    } else {
+      // Pair k of the warp's pairs 4w .. 4w + 3 (their words by broadcast loads): lane r takes rows
+      // r and r + 32 of both columns; element c of row r sits at c ^ (r % 32), 32 banks a store.
+      const uint32_t below = (1u << lane) - 1u;  // rows above this lane's row r in a column half
+      uint32_t at = lo + warp_total(lane < kPairs * warp ? count : 0u);  // start of the warp's first column
 #pragma unroll
-      for (int i = 0; i < kRows; ++i) {
-        const int r = warp * kRows + i;
-        if (full) {
-          *reinterpret_cast<decltype(row[i].vec)*>(out + r * kTileRows) = row[i].vec;
-        } else {
-          if (base + r * kTileRows + c0 < n) out[r * kTileRows] = row[i].e[0];
-          if (base + r * kTileRows + c1 < n) out[r * kTileRows + 1] = row[i].e[1];
-        }
+      for (int k = 0; k < kPairs; ++k) {
+        const int pair = kPairs * warp + k;
+        const ulonglong2 ab = words[pair];  // the same for every lane: one broadcast load
+        const uint32_t a_lo = uint32_t(ab.x), a_hi = uint32_t(ab.x >> 32);
+        const uint32_t b_lo = uint32_t(ab.y), b_hi = uint32_t(ab.y >> 32);
+        const uint32_t sa = at, sb = sa + __popc(a_lo) + __popc(a_hi);
+        at = sb + __popc(b_lo) + __popc(b_hi);
+        const uint32_t va0 = (a_lo >> lane) & 1u ? uint32_t(values[sa + __popc(a_lo & below)]) : 0u;
+        const uint32_t vb0 = (b_lo >> lane) & 1u ? uint32_t(values[sb + __popc(b_lo & below)]) : 0u;
+        const uint32_t va1 = (a_hi >> lane) & 1u ? uint32_t(values[sa + __popc(a_lo) + __popc(a_hi & below)]) : 0u;
+        const uint32_t vb1 = (b_hi >> lane) & 1u ? uint32_t(values[sb + __popc(b_lo) + __popc(b_hi & below)]) : 0u;
+        buf[lane * kWords + ((2 * pair) ^ lane)] = va0;
+        buf[lane * kWords + ((2 * pair + 1) ^ lane)] = vb0;
+        buf[(lane + 32) * kWords + ((2 * pair) ^ lane)] = va1;
+        buf[(lane + 32) * kWords + ((2 * pair + 1) ^ lane)] = vb1;
+      }
+    }
+    __syncthreads();  // the tile is whole in buf (and every thread is done with the other buffer)
+    // Rows: each thread stores 16-byte pieces of rows r0, r0 + kRowsPerPass, ...: the piece of
+    // logical words 4q .. 4q + 3 is whole at q ^ (swizzle / 4), its words at k ^ (swizzle % 4).
+    constexpr int kPieces = kWords / 4;               // 16-byte pieces per row
+    constexpr int kRowsPerPass = kThreads / kPieces;  // a multiple of 8: r % 4 and r / 8 % 4 stay
+    const int q = threadIdx.x % kPieces, r0 = threadIdx.x / kPieces;
+    if (full) {
+#pragma unroll
+      for (int r = r0; r < kTileRows; r += kRowsPerPass) {
+        const int swizzle = kWide ? 4 * (r >> 3) : (r & 31);
+        const uint4 v = reinterpret_cast<const uint4*>(buf + r * kWords)[q ^ (swizzle >> 2)];
+        const uint4 h = swizzle & 1 ? make_uint4(v.y, v.x, v.w, v.z) : v;
+        reinterpret_cast<uint4*>(out + r * kTileRows)[q] = swizzle & 2 ? make_uint4(h.z, h.w, h.x, h.y) : h;
+      }
+    } else {
+      for (int i = threadIdx.x; i < kTile; i += kThreads) {
+        if (base + i >= n) break;
+        const int r = i / kTileRows, c = i % kTileRows;
+        if constexpr (kWide) out[i] = V(buf[r * kWords + ((c / 2) ^ (4 * (r >> 3)))] >> (16 * (c & 1)));
+        else out[i] = V(buf[r * kWords + (c ^ (r & 31))]);
       }
     }
   }
@@ -559,15 +684,34 @@ void launch_prune_compress(const void* grad, void* error, Elem error_type, int64
   }
 }
 
-template <typename V, typename D, bool kAccumulate>
-void launch_decompress(const uint8_t* payload, int64_t capacity, int64_t n, void* dst, int32_t* status,
-                       cudaStream_t stream) {
+template <typename V, int kBlocks>
+void launch_column_decode(const uint8_t* payload, int64_t capacity, int64_t n, void* dst, int32_t* status,
+                          cudaStream_t stream) {
   const PiciOffsets off(n);
   const bool aligned = reinterpret_cast<uintptr_t>(dst) % 16 == 0;
-  auto kernel = pici_decompress_kernel<V, D, kAccumulate>;
+  auto kernel = pici_column_decode_kernel<V, kBlocks>;
   kernel<<<resident_blocks(kernel, off.tiles), kThreads, 0, stream>>>(
-      payload, capacity, n, off.tiles, off.index_offset, off.values_offset, static_cast<D*>(dst), aligned, status);
-  check_launch("pici_decompress_kernel");
+      payload, capacity, n, off.tiles, off.index_offset, off.values_offset, static_cast<V*>(dst), aligned, status);
+  check_launch("pici_column_decode_kernel");
+}
+
+// Overwrite: one column decoder for 32-bit elements; for 16-bit ones both go, and the one the
+// payload's density does not suit returns after reading nnz (kDenseColumnPercent).
+template <typename V>
+void launch_overwrite(const uint8_t* payload, int64_t capacity, int64_t n, void* dst, int32_t* status,
+                      cudaStream_t stream) {
+  launch_column_decode<V, kColumnBlocks>(payload, capacity, n, dst, status, stream);
+  if constexpr (sizeof(V) == 2) launch_column_decode<V, kDenseColumnBlocks>(payload, capacity, n, dst, status, stream);
+}
+
+template <typename V, typename D>
+void launch_accumulate(const uint8_t* payload, int64_t capacity, int64_t n, void* dst, int32_t* status,
+                       cudaStream_t stream) {
+  const PiciOffsets off(n);
+  auto kernel = pici_accumulate_kernel<V, D>;
+  kernel<<<resident_blocks(kernel, off.tiles), kThreads, 0, stream>>>(
+      payload, capacity, n, off.tiles, off.index_offset, off.values_offset, static_cast<D*>(dst), status);
+  check_launch("pici_accumulate_kernel");
 }
 
 // Patch, or accumulate: then both kernels go, and the one the payload's density does not suit
@@ -581,7 +725,7 @@ void launch_sparse_decode(const uint8_t* payload, int64_t capacity, int64_t n, v
   kernel<<<resident_blocks(kernel, blocks), kThreads, 0, stream>>>(
       payload, capacity, n, off.tiles, off.index_offset, off.values_offset, static_cast<D*>(dst), prior, status);
   check_launch("pici_sparse_decode_kernel");
-  if constexpr (kMode == kAccumulate) launch_decompress<V, D, true>(payload, capacity, n, dst, status, stream);
+  if constexpr (kMode == kAccumulate) launch_accumulate<V, D>(payload, capacity, n, dst, status, stream);
 }
 
 }  // namespace
@@ -632,10 +776,10 @@ void pici_decompress(const uint8_t* payload, int64_t capacity, int64_t n, Elem v
     // Overwrite and patch copy bits: the element size is all that matters.
     if (value == Elem::kF32) {
       if (prior) launch_sparse_decode<uint32_t, uint32_t, kPatch>(payload, capacity, n, dst, prior, status, stream);
-      else launch_decompress<uint32_t, uint32_t, false>(payload, capacity, n, dst, status, stream);
+      else launch_overwrite<uint32_t>(payload, capacity, n, dst, status, stream);
     } else {
       if (prior) launch_sparse_decode<uint16_t, uint16_t, kPatch>(payload, capacity, n, dst, prior, status, stream);
-      else launch_decompress<uint16_t, uint16_t, false>(payload, capacity, n, dst, status, stream);
+      else launch_overwrite<uint16_t>(payload, capacity, n, dst, status, stream);
     }
   } else if (dst_type == Elem::kF32) {
     if (value == Elem::kF32) {
