@@ -302,6 +302,29 @@ def test_a_far_miss_moves_the_factor_halfway_and_a_near_one_does_not():
     assert "all_reduce ring/pici" in c.describe()
 
 
+def test_one_far_call_moves_nothing_and_two_in_a_row_do():
+    import random
+
+    rng = random.Random()
+    c = feedback.Corrections()
+    nbytes, predicted = rng.choice([64, 256, 1024]) << 20, rng.uniform(1e-3, 1.0)
+    kind = ("all_reduce", "direct/coo", feedback.size_class(nbytes), "float32")
+
+    def observe(ratio: float) -> bool:
+        c.called("all_reduce", "direct/coo", nbytes, predicted, _Done(predicted * ratio), torch.float32)
+        return c.learn([c.report()])
+
+    observe(rng.uniform(2.0, 9.0))  # warm-up: left out, and not a previous call either
+    assert not observe(rng.uniform(0.9, 1.1))
+    spike = rng.uniform(1.6, 20.0)
+    for lone in (spike, 1 / spike):  # a hiccup either way, between calls as predicted
+        assert not observe(lone) and not observe(1.0)
+        assert c.factors.get(kind, 1.0) == 1.0
+    assert not observe(spike)  # the first of two: alone so far
+    assert observe(spike)  # the second: the median of the two and the factor is the spike
+    assert c.factors[kind] == pytest.approx(math.sqrt(spike), rel=1e-9)  # halfway, in log space
+
+
 def test_unobserved_sparse_candidates_take_a_share_of_what_the_observed_ones_learned():
     import random
 
