@@ -437,6 +437,9 @@ __global__ void __launch_bounds__(kThreads, kBlocks) pici_column_decode_kernel(
     return;
   }
   const int c0 = 2 * lane;
+  // The next tile's words and index step, as in pici_accumulate_kernel. Kept inline: the two
+  // kernels sharing a helper for it measured 1 point slower here at 8 blocks (bf16 at 50% and
+  // 90%; bench/results/2026-11-26_eleventh/ab/ab_8_shared_prefetch_not_kept.log).
   ulonglong2 w_next = make_ulonglong2(0ull, 0ull);
   uint32_t lo_next = 0, hi_next = 0;
   if (blockIdx.x < tiles) {
