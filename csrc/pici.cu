@@ -320,9 +320,8 @@ __global__ void __launch_bounds__(kThreads, 4) pici_accumulate_kernel(
     const uint8_t* __restrict__ payload, int64_t capacity, int64_t n, int64_t tiles,
     int64_t index_offset, int64_t values_offset, D* __restrict__ dst, int32_t* __restrict__ status) {
   constexpr int kRows = kTileRows / (kThreads / 32);  // rows per warp
-  union Pair {  // a row's two elements in one register for 16-bit types
+  struct Pair {  // a row's two elements, in one register for 16-bit types
     D e[2];
-    typename std::conditional<sizeof(D) == 4, uint2, uint32_t>::type vec;
   };
   __shared__ __align__(16) V stage_s[kTile + 16 / sizeof(V)];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -415,6 +414,7 @@ __global__ void __launch_bounds__(kThreads, 4) pici_accumulate_kernel(
 constexpr int kColumnBlocks = 6;
 constexpr int kDenseColumnBlocks = 8;
 constexpr int64_t kDenseColumnPercent = 4;
+static_assert(kColumnBlocks != kDenseColumnBlocks, "the two 16-bit column decoders must differ");
 
 template <typename V, int kBlocks>
 __global__ void __launch_bounds__(kThreads, kBlocks) pici_column_decode_kernel(

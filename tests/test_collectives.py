@@ -512,28 +512,36 @@ def test_a_native_shape_is_held_without_exchanges(pools):
 def _job_held_verdict(rank, world, seed):
     """A short-path call keeps its route's verdict (no sparse candidate can win) until the group's
     corrections change (their ``revision``); then it weighs again and exchanges. Native's
-    correction factor is set by hand, alike on every rank, to make each verdict certain."""
+    correction factor is set by hand, alike on every rank, to make each verdict certain; the
+    group's corrections are put back afterwards for the pool's later tests."""
     cfg = CollectiveConfig(check_calls="first")  # the measured model, with corrections
     n = 256 + random.Random(seed).randrange(256)
     corrections = learned_corrections()
     kind = kind_of("all_reduce", "native/dense", 4 * n, torch.float32)
+    kept = {name: dict(getattr(corrections, name)) for name in ("factors", "seen", "recent", "last")}
 
     def native_corrected(factor: float, revise: bool = True) -> None:
         corrections.factors[kind], corrections.seen[kind] = factor, 2
         corrections.revision += revise
 
     exchanged = []
-    for call in range(5):
-        if call < 2:  # native predicted fast (the first call's exchange may learn: set it again)
-            native_corrected(1e-3)
-        elif call == 3:  # native predicted slow, unrevised: the route keeps its verdict
-            native_corrected(1e6, revise=False)
-        elif call == 4:  # revised: weighed again, and no longer sure, the call exchanges
-            native_corrected(1e6)
-        x = torch.full((n,), float(rank + 1))
-        spccl_train.all_reduce(x, config=cfg)
-        assert torch.equal(x, torch.full((n,), float(world * (world + 1) // 2)))
-        exchanged.append(last_stats().exchanges)
+    try:
+        for call in range(5):
+            if call < 2:  # native predicted fast (the first call's exchange may learn: set it again)
+                native_corrected(1e-3)
+            elif call == 3:  # native predicted slow, unrevised: the route keeps its verdict
+                native_corrected(1e6, revise=False)
+            elif call == 4:  # revised: weighed again, and no longer sure, the call exchanges
+                native_corrected(1e6)
+            x = torch.full((n,), float(rank + 1))
+            spccl_train.all_reduce(x, config=cfg)
+            assert torch.equal(x, torch.full((n,), float(world * (world + 1) // 2)))
+            exchanged.append(last_stats().exchanges)
+    finally:
+        for name, was in kept.items():
+            getattr(corrections, name).clear()
+            getattr(corrections, name).update(was)
+        corrections.revision += 1
     return exchanged
 
 

@@ -31,7 +31,10 @@ __all__ = [
 
 
 def transport_of(group: dist.ProcessGroup | None) -> P2PTransport:
-    """The group's transport, made once per group object (:func:`~.state.group_state`)."""
+    """The group's transport, made once per group object (:func:`~.state.group_state`). A group
+    kept past ``destroy_process_group`` gets the not-initialised error, not its old state."""
+    if group is not None and not dist.is_initialized():
+        P2PTransport(group)  # raises the not-initialised error
     return group_state(group).transport
 
 

@@ -8,9 +8,11 @@ measured / predicted. Later weighings multiply that kind's predictions by the fa
 
 One far call is not yet a steady error: a network hiccup makes one call slow. The ratio a kind
 learns from is the median of its call's, its previous call's and its factor, so a lone outlier
-moves nothing and two far calls in a row do. On one H100 as 2 emulated nodes (2026-11-26), one
-slow direct/COO call of 256 MiB at 99.9% (learned from alone, halfway) moved ``auto`` to
-direct/Pici for good, at 1.32x the fixed direct/COO call's time.
+moves nothing and two far calls in a row do. The first observation after the warm-up has no
+previous one and is learned from alone (the warm-up's own time, slow with setup, is no guide).
+On one H100 as 2 emulated nodes (2026-11-26), one slow direct/COO call of 256 MiB at 99.9%
+(learned from alone, halfway) moved ``auto`` to direct/Pici for good, at 1.32x the fixed
+direct/COO call's time.
 
 Decisions must be equal on every rank without a synchronisation of their own, and one rank does
 not know the others' times. So observations travel in the next planning exchange: each rank puts
@@ -129,8 +131,8 @@ class Corrections:
 
     Every rank of the group holds an equal copy: it changes only in :meth:`learn`, from the
     exchanged row of times. ``version`` counts the changes of a factor (for logs and tests);
-    ``revision`` counts every change of what :meth:`factors_for` returns (a factor, or an
-    observation that lets one count), for results kept until it moves (``held.Route``); decisions
+    ``revision`` moves with every counted observation, so with every change of what
+    :meth:`factors_for` returns, for results kept until it moves (``held.Route``); decisions
     are memoised under the factors themselves (:func:`~.choice.decide`), so a corrected model is
     weighed afresh.
     """

@@ -95,17 +95,17 @@ def held_now(
     call of the hold) or no sparse candidate can win: even its lower bound
     (:meth:`.cost.CostModel.least_sparse`, what any data would cost it at least), corrected by
     what the group learned, misses native's prediction by :data:`NATIVE_MARGIN`. A ``route``
-    keeps that last verdict while the group's corrections stay as they were."""
+    keeps that last verdict while the group's corrections and the exchange protocol stay as they were."""
     state = state_of(transport)
     if signature not in state.checked:
         return False
     if config.format == "dense" or state.holds.take(signature):
         return True
     corrections = corrections_of(config, transport)
-    revision = -1 if corrections is None else corrections.revision
-    if route is not None and route.verdict is not None and route.verdict[0] == revision:
-        return route.verdict[1]
     rounds = exchange_rounds(protocol(transport.world), collective)
+    made = (-1 if corrections is None else corrections.revision, rounds)
+    if route is not None and route.verdict is not None and route.verdict[0] == made:
+        return route.verdict[1]
     model = model_of(config, transport, topology, device).model  # made by the checked call already
     factors = (
         corrections.factors_for(collective, layout.numel * element_size(dtype), dtype)
@@ -122,7 +122,7 @@ def held_now(
     least = model.least_sparse(collective, layout.numel, dtype, topology, rounds) * sparse_factor
     verdict = least >= native * (1 - NATIVE_MARGIN)
     if route is not None:
-        route.verdict = (revision, verdict)
+        route.verdict = (made, verdict)
     return verdict
 
 
@@ -152,9 +152,9 @@ class Route:
         """The native call's kind of correction (:func:`.feedback.kind_of`)."""
         self.dense = dense
         """The bytes a dense ring sends (the stats' ``bytes_sent`` and ``dense_bytes``)."""
-        self.verdict: tuple[int, bool] | None = None
-        """:func:`held_now`'s last verdict from the model: the corrections' revision it was made
-        under, and whether no sparse candidate could win."""
+        self.verdict: tuple[tuple[int, int], bool] | None = None
+        """:func:`held_now`'s last verdict from the model: what it was made under (the
+        corrections' revision, the exchange's rounds), and whether no sparse candidate could win."""
 
 
 def route_key(collective: str, config: CollectiveConfig, rpn: int | None, inp, out) -> tuple:
