@@ -357,7 +357,7 @@ def test_unobserved_sparse_candidates_take_a_share_of_what_the_observed_ones_lea
     assert feedback.factor_of(c.factors_for("all_reduce", nbytes * 4), "native/dense") == 1.0
     for size, dtype in ((nbytes, None), (nbytes * 4, None), (nbytes, torch.bfloat16)):  # the held calls' look-up
         want = feedback.factor_of(c.factors_for("all_reduce", size, dtype), "native/dense")
-        assert c.own_factor("all_reduce", "native/dense", size, dtype) == want
+        assert c.own_factor(feedback.kind_of("all_reduce", "native/dense", size, dtype)) == want
     # the native call neither gives nor takes the share
     d = feedback.Corrections()
     for _ in range(6):

@@ -170,14 +170,10 @@ class Corrections:
             own[UNOBSERVED] = share
         return own
 
-    def own_factor(self, collective: str, candidate: str, nbytes: int, dtype: torch.dtype | None = None) -> float:
-        """:func:`factor_of` ``factors_for(collective, nbytes, dtype)`` for a candidate of
+    def own_factor(self, kind: tuple[str, str, int, str]) -> float:
+        """:func:`factor_of` of :meth:`factors_for` for a :func:`kind_of` whose candidate is of
         :data:`OWN_ONLY` (the native call), without making the whole dict."""
-        assert candidate in OWN_ONLY, candidate
-        return self.own_factor_of(kind_of(collective, candidate, nbytes, dtype))
-
-    def own_factor_of(self, kind: tuple[str, str, int, str]) -> float:
-        """:meth:`own_factor` of a :func:`kind_of`."""
+        assert kind[1] in OWN_ONLY, kind
         return self.factors.get(kind, 1.0) if self.seen.get(kind, 0) > 1 else 1.0
 
     def called(

@@ -245,7 +245,7 @@ def native_call(
     predicted = route.predicted_s
     if corrections is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         corrections.ran(route.kind, predicted, timer, route.fingerprint)
-        predicted *= corrections.own_factor_of(route.kind)
+        predicted *= corrections.own_factor(route.kind)
     stats = CollectiveStats(
         collective=collective,
         algorithm="native",

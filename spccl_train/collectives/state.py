@@ -133,7 +133,7 @@ class GroupState:
         """Call shapes that run native without an exchange for now (``check_calls="first"``)."""
         self.routes: dict[tuple, object] = {}
         """What a call shape that ran native without an exchange needs for its next such call,
-        by its key (``api._Route``, at most 256; made from the measured model, so forgotten with it)."""
+        by its key (``held.Route``, at most 256; made from the measured model, so forgotten with it)."""
         self.subgroups: dict[int, tuple] = {}
         """``{ranks_per_node: (intra, inter)}``: this rank's node and cross-node subgroups."""
 
@@ -148,7 +148,6 @@ def group_state(group: dist.ProcessGroup | None) -> GroupState:
     if state is None:
         if not (dist.is_available() and dist.is_initialized()):
             P2PTransport(group)  # raises the not-initialised error
-        key = group if group is not None else dist.group.WORLD
         state = _groups[key] = GroupState(P2PTransport(group))
     return state
 
