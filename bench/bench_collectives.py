@@ -33,8 +33,8 @@ a distinct seed per rank. ``input_sparsity`` and ``output_sparsity`` record what
 what the dense result holds.
 
 Timing: per point one verification call, ``--warmup`` untimed calls (``auto`` methods with
-``--settle N``: up to N more, until two calls in a row run the same candidate; the CSV's
-``settle`` says how many), then ``--iters`` timed
+``--settle N``: up to N more, until two calls in a row run the same candidate, neither a trial
+of a near-tied one; the CSV's ``settle`` says how many), then ``--iters`` timed
 calls (``--iters-large`` at >= 256 MiB), each after an untimed copy of the pristine input (an
 all-reduce works in place), a device sync and a barrier, and timed on the host up to a device
 sync (the calls synchronise the host once or twice themselves, so host time is what a caller
@@ -127,8 +127,8 @@ from spccl_train.collectives import (
     learned_corrections,
 )
 from spccl_train.collectives.links import measured_model
-from spccl_train.formats import Format
 from spccl_train.emulation import emulate_nodes as emulate_nodes_env
+from spccl_train.formats import Format
 from spccl_train.transport import P2PTransport
 from spccl_train.transport.dense import all_gather_flat, reduce_scatter_flat
 
@@ -398,7 +398,7 @@ def _settings(argv: list[str] | None) -> _Settings:
         "--settle",
         type=int,
         default=0,
-        help="auto methods: up to this many more untimed calls, until two in a row run the same candidate "
+        help="auto methods: up to this many more untimed calls, until two in a row run the same candidate, neither a trial "
         "(the calls auto spent are in the CSV's settle column and its choices in chosen; default 0)",
     )
     parser.add_argument("--iters", type=int, help="timed calls below 256 MiB, median taken (default 10; smoke 2)")
@@ -898,6 +898,9 @@ def _measure(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _R
                 now = f"{stats.algorithm}/{stats.format.value}"
                 if not row.chosen.endswith(now):
                     row.chosen = f"{row.chosen}>{now}"
+                if stats.trial:  # auto tries a near-tied candidate: not yet settled
+                    last = ""
+                    continue
                 if now == last:
                     break
                 last = now

@@ -95,14 +95,16 @@ def _job_auto_measured(rank, world, cache_dir):
         stats = last_stats()
         other_group = dist.new_group()  # a new group measures its own links
         spccl_train.all_reduce(x.clone(), group=other_group)
-    from spccl_train.collectives.choice import NATIVE_MARGIN, STICKY_MARGIN
+    from spccl_train.collectives.choice import NATIVE_MARGIN, STICKY_MARGIN, TRIAL_MARGIN
 
     best = min(stats.candidates.values())
     weighed = (
         stats.predicted_s == best
         or (stats.algorithm == "native" and best >= (1 - NATIVE_MARGIN) * stats.candidates["native/dense"])
         or (stats.algorithm != "native" and stats.predicted_s * (1 - STICKY_MARGIN) <= best)
-    )  # the cheapest; native when no sparse candidate wins clearly; the last sparse one within its margin
+        or (stats.trial and stats.predicted_s <= (1 + TRIAL_MARGIN) * best)
+    )  # the cheapest; native when no sparse candidate wins clearly; the last sparse one within its
+    # margin; a near-tied one on trial
     return len(calls), sorted(stats.candidates.items()), weighed
 
 
@@ -288,7 +290,7 @@ def test_a_far_miss_moves_the_factor_halfway_and_a_near_one_does_not():
     assert factors[:2] == pytest.approx(want, rel=1e-5)  # times travel as whole nanoseconds
     assert factors[-1] == factors[-2] and abs(math.log(error / factors[-1])) <= math.log(feedback.FAR)
     version, revision = c.version, c.revision
-    assert not observe(predicted * factors[-1] * 1.2)  # near its corrected prediction: kept
+    assert not observe(predicted * factors[-1] * 1.1)  # near its corrected prediction: kept
     assert c.revision == revision + 1  # an observation counted: what factors_for returns may move
     assert not observe(predicted * error, [-1, 5])  # a rank that had not finished: nothing learned
     assert c.version == version and c.revision == revision + 1
@@ -373,6 +375,29 @@ def test_unobserved_sparse_candidates_take_a_share_of_what_the_observed_ones_lea
     assert c.factors_for("all_reduce", nbytes)["direct/coo"] == pytest.approx(share, rel=1e-6)
 
 
+def test_runs_count_by_density_octave_and_a_trial_is_no_preference():
+    c = feedback.Corrections()
+    nbytes = 256 << 20
+    for octave in (-7, -7, -10):
+        c.called("all_reduce", "direct/coo", nbytes, 0.01, _Done(0.01), torch.float32, "auto", octave, trial=True)
+        c.learn([c.report()])
+    assert c.tried("all_reduce", nbytes, torch.float32, -7) == {"direct/coo"}  # TRIAL_RUNS of them
+    assert c.tried("all_reduce", nbytes, torch.float32, -10) == frozenset()  # one run
+    assert c.tried("all_reduce", nbytes * 4, torch.float32, -7) == frozenset()  # another size class
+    assert c.tried("all_reduce", nbytes, torch.bfloat16, -7) == frozenset()
+    assert c.last_run("all_reduce", nbytes, torch.float32, "auto") is None  # trials are not preferred
+    c.called("all_reduce", "direct/pici", nbytes, 0.01, _Done(0.01), torch.float32, "auto", -10)
+    assert c.last_run("all_reduce", nbytes, torch.float32, "auto") == "direct/pici"
+    # a run counts when it is made, observed or not (a rank's -1: nothing learned)
+    c.learn([c.report(), -1])
+    c.called("all_reduce", "direct/pici", nbytes, 0.01, _Done(0.01), torch.float32, "auto", -10)
+    assert c.tried("all_reduce", nbytes, torch.float32, -10) == {"direct/pici"}
+    # calls that weighed nothing (no octave) are not counted
+    c.called("all_reduce", "ring/pici", nbytes, 0.01, _Done(0.01), torch.float32, "auto")
+    c.called("all_reduce", "ring/pici", nbytes, 0.01, _Done(0.01), torch.float32, "auto")
+    assert "ring/pici" not in c.tried("all_reduce", nbytes, torch.float32, -10)
+
+
 def test_the_slowest_rank_is_the_calls_time():
     c = feedback.Corrections()
     for times in ([1, 1], [4_000_000_000, 1]):
@@ -428,6 +453,59 @@ def test_auto_leaves_a_candidate_that_runs_far_slower_than_predicted(pools, tmp_
     slow = chosen[0]
     assert chosen[-1] != slow, chosen
     assert version > 0 and any(name == slow and f > 1 for (_, name, _, _), f in factors.items()), factors
+
+
+def _job_tries(rank, world, cache_dir):
+    """Every candidate takes what the model predicts (uncorrected), except the runner-up of the
+    first weighing, which takes a twentieth of the choice's prediction: ``auto`` must try it, learn,
+    and keep it. TRIAL_MARGIN is widened so that whatever the links measure, it is near."""
+    from spccl_train.collectives import choice as choice_module
+
+    os.environ["SPCCL_CACHE_DIR"] = cache_dir
+    links.forget_measured()
+    real, margin = feedback.Corrections.report, choice_module.TRIAL_MARGIN
+    choice_module.TRIAL_MARGIN = 100.0
+    fast = {}
+
+    def report(self):
+        pending = self._pending
+        if pending is None:
+            return -1
+        if pending.kind[1] == fast["name"]:
+            return round(fast["took"] * 1e9)
+        return round(pending.predicted_s * 1e9 * (1 + 0.05 * rank))
+
+    feedback.Corrections.report = report
+    try:
+        group = dist.new_group()
+        config = CollectiveConfig(ranks_per_node=1, format="pici" if world > 2 else "auto")
+        x = torch.zeros(world * 40_000)
+        x[rank::50] = 1.0
+        calls = []
+        for _ in range(12):
+            spccl_train.all_reduce(x.clone(), group=group, config=config)
+            stats = last_stats()
+            if not fast:  # the first call is the runner-up's trial
+                sparse = {n: t for n, t in stats.candidates.items() if n != "native/dense"}
+                best = min(sparse, key=sparse.get)
+                fast.update(name=stats.algorithm + "/" + stats.format.value, took=sparse[best] / 20)
+            calls.append((stats.algorithm + "/" + stats.format.value, stats.trial))
+        return calls, fast["name"], dict(spccl_train.collectives.learned_corrections(group).factors)
+    finally:
+        feedback.Corrections.report = real
+        choice_module.TRIAL_MARGIN = margin
+
+
+def test_auto_tries_a_near_tie_it_would_never_run_and_keeps_it_when_faster(pools, tmp_path):
+    got = pools(3).run(_job_tries, str(tmp_path))
+    assert all(g == got[0] for g in got), "ranks tried or learned differently"
+    calls, fast, factors = got[0]
+    assert calls[0] == (fast, True) and calls[1] == (fast, True), calls  # tried twice, from the first call
+    assert fast not in [name for name, trial in calls[2:] if trial], calls  # and then no more
+    trials = [name for name, trial in calls if trial]
+    assert all(trials.count(name) == 2 for name in trials), calls  # every trial is two runs
+    assert calls[-3:] == [(fast, False)] * 3, calls  # learned: it is kept
+    assert any(name == fast and f < 1 for (_, name, _, _), f in factors.items()), factors
 
 
 def test_the_fit_grows_past_a_slow_start_up(monkeypatch):

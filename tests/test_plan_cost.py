@@ -674,3 +674,47 @@ def test_the_group_remembers_what_it_ran_by_collective_size_and_config():
     c.called("all_reduce", "direct/coo", 1 << 30, 0.01, Span(torch.device("cpu")), torch.float32, "coo direct")
     assert c.last_run("all_reduce", 1 << 30, torch.float32, "auto auto") == "direct/pici"
     assert c.last_run("all_reduce", 1 << 30, torch.float32, "coo direct") == "direct/coo"
+
+
+def test_a_near_tied_candidate_not_yet_tried_at_this_density_is_run_instead():
+    """``tried``: a sparse candidate within TRIAL_MARGIN of the choice and not among the tried runs
+    instead (a trial); tried, or beyond the margin, it does not; native is never tried nor left for
+    a trial, and the trial does not change the predictions reported."""
+    import random
+
+    from spccl_train.collectives.choice import TRIAL_MARGIN
+
+    rng = random.Random()
+    layout = ChunkLayout.aligned(4 * 16 * TILE, 4)
+    summary = CountSummary.of("all_reduce", _table(layout, rng.uniform(0.005, 0.05)), layout, Topology(4))
+    cfg = CollectiveConfig(format="pici")
+    best, weighed = weigh(summary, cfg, F32, _model())
+    assert best.algorithm != "native" and not best.trial, weighed
+    others = {name: t for name, t in weighed.items() if name not in ("native/dense", best.name)}
+    other, t = min(others.items(), key=lambda kv: kv[1])
+    ratio = best.predicted_s / t  # scales the other's prediction to the best's
+    inside = {other: ratio * (1 + rng.uniform(0.05, 0.95) * TRIAL_MARGIN)}
+    outside = {other: ratio * (1 + rng.uniform(1.05, 3.0) * TRIAL_MARGIN)}
+    got, predictions = weigh(summary, cfg, F32, _model(), factors=inside, tried=frozenset())
+    assert got.name == other and got.trial, (got, predictions)
+    assert predictions == weigh(summary, cfg, F32, _model(), factors=inside)[1]
+    assert got.predicted_s == pytest.approx(predictions[other])
+    assert weigh(summary, cfg, F32, _model(), factors=inside)[0] == best  # no trials asked for
+    assert weigh(summary, cfg, F32, _model(), factors=inside, tried=frozenset({other}))[0] == best
+    assert weigh(summary, cfg, F32, _model(), factors=outside, tried=frozenset())[0] == best
+    # the best untried itself: the near one is still tried first (each of them gets its runs)
+    assert weigh(summary, cfg, F32, _model(), factors=inside, tried=frozenset({best.name}))[0].name == other
+    # native: kept by its margin, never left for a trial, never tried
+    auto = CollectiveConfig()
+    best, weighed = weigh(summary, auto, F32, _model())
+    to_native = best.predicted_s / weighed["native/dense"]
+    native_best = {"native/dense": to_native * 0.5}
+    assert weigh(summary, auto, F32, _model(), factors=native_best, tried=frozenset())[0].algorithm == "native"
+    sparse_best = {"native/dense": to_native * (1 + 0.5 * TRIAL_MARGIN)}
+    got = weigh(summary, auto, F32, _model(), factors=sparse_best, tried=frozenset())[0]
+    assert got.algorithm != "native"
+    # decide memoises under the tried candidates too
+    clear_decisions()
+    half = {other: ratio * (1 + 0.5 * TRIAL_MARGIN)}
+    assert decide(cfg, "k", summary, F32, _model(), 1, half, tried=frozenset())[0].trial
+    assert not decide(cfg, "k", summary, F32, _model(), 1, half, tried=frozenset({other}))[0].trial

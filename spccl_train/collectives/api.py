@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import logging
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -460,16 +460,24 @@ def _run(
         config = dataclasses.replace(config, algorithm="auto")  # (the memo key keeps "hierarchical")
     factors = corrections.factors_for(collective, nbytes, inp.dtype) if corrections is not None else None
 
-    def learn(timer: Span, choice: Candidate) -> None:  # the call's time, for the next exchange
+    def learn(
+        timer: Span, choice: Candidate, octave: int | None = None
+    ) -> None:  # the call's time, for the next exchange
         if corrections is not None and not (inp.is_cuda and torch.cuda.is_current_stream_capturing()):
             # (a call captured in a CUDA graph ran nothing: its timer's events belong to the graph)
             uncorrected = choice.predicted_s / factor_of(factors, choice.name)
-            corrections.called(collective, choice.name, nbytes, uncorrected, timer, inp.dtype, fingerprint)
+            corrections.called(
+                collective, choice.name, nbytes, uncorrected, timer, inp.dtype, fingerprint, octave, choice.trial
+            )
 
-    prefer = corrections.last_run(collective, nbytes, inp.dtype, fingerprint) if corrections is not None else None
-    choice, weighed, plan, bound_gather = _decide_and_plan(
+    prefer, trials = None, None
+    if corrections is not None:
+        prefer = corrections.last_run(collective, nbytes, inp.dtype, fingerprint)
+        if bounds is None:  # a call with bounds keeps one plan per bounds table: no trials
+            trials = functools.partial(corrections.tried, collective, nbytes, inp.dtype)
+    choice, weighed, plan, bound_gather, octave = _decide_and_plan(
         collective, config, key, counts, layout, inp.dtype, topology, r, model, factors, default_group, rounds,
-        bounds is not None, prefer,
+        bounds is not None, prefer, trials,
     )  # fmt: skip
     if bounds is None and held.applies(config):  # (a dense config's calls go native before the holds matter)
         state_of(transport).holds.decided(held.signature(request), choice.algorithm == "native")
@@ -477,7 +485,7 @@ def _run(
         chosen = (choice.predicted_s, weighed)
         return decoded_first(
             encoded, x, sink, hierarchical.run, _step, collective, transport, config, topology, inp, out, timer, 0.0,
-            chosen, how, received, functools.partial(learn, choice=choice),
+            chosen, how, received, functools.partial(learn, choice=choice, octave=octave),
         )  # fmt: skip
 
     # 3. the executors
@@ -493,7 +501,7 @@ def _run(
         else (dense_ring_bytes(collective, layout.numel, p, inp.element_size()),) * 2
     )
     event = timer.stop()
-    learn(timer, choice)
+    learn(timer, choice, octave)
 
     # 4. the stats
     stats = CollectiveStats(
@@ -512,6 +520,7 @@ def _run(
         _timer=timer,
         exchange=how,
         exchange_bytes=received + extra * 8 * p * (1 + layout.channels),
+        trial=choice.trial,
     )
     if r == 0 and _log.isEnabledFor(logging.DEBUG):
         _log.debug(
@@ -572,23 +581,27 @@ def _decide_and_plan(
     rounds: int,
     bounded: bool,
     prefer: str | None = None,
-) -> tuple[Candidate, dict[str, float], Plan | None, Plan | None]:
-    """``(choice, predictions, plan, gather plan)``: :func:`~.choice.decide` from the counts'
-    summary (``prefer``: the candidate the group ran last for such a call,
-    :data:`~.choice.STICKY_MARGIN`), then this rank's plan of the choice (none for native or
-    hierarchical) and, for an all-reduce sized from bounds, of its gather phase. A call with
-    bounds (``bounded``: the same bounds every step, a DDP bucket) decides and plans once per
-    bounds table."""
+    trials: Callable[[int], frozenset[str]] | None = None,
+) -> tuple[Candidate, dict[str, float], Plan | None, Plan | None, int]:
+    """``(choice, predictions, plan, gather plan, density octave)``: :func:`~.choice.decide` from
+    the counts' summary (``prefer``: the candidate the group ran last for such a call,
+    :data:`~.choice.STICKY_MARGIN`; ``trials``: the candidates tried at a density octave,
+    :meth:`.feedback.Corrections.tried`, or ``None``), then this rank's plan of the choice (none
+    for native or hierarchical) and, for an all-reduce sized from bounds, of its gather phase. A
+    call with bounds (``bounded``: the same bounds every step, a DDP bucket) decides and plans
+    once per bounds table."""
     if bounded:
         corrected = tuple(sorted(factors.items())) if factors else ()
         bounded_key = (collective, key, dtype, layout, topology, rank, corrected, prefer, counts.table.tobytes())
         planned = _bounded_plans.get(bounded_key)
         if planned is not None:
             return planned
+    summary = counts.summary(layout, topology)
+    octave = summary.octave
     choice, weighed = decide(
         config,
         key,
-        counts.summary(layout, topology),
+        summary,
         dtype,
         model,
         0 if bounded else 1,
@@ -597,21 +610,22 @@ def _decide_and_plan(
         max(rounds, 1),
         counts.table is not None,
         prefer,
+        trials(octave) if trials is not None else None,
     )
     if choice.algorithm == "hierarchical":
-        return choice, weighed, None, None
+        return choice, weighed, None, None, octave
     plan = plan_candidate(choice, collective, config, counts, layout, dtype, topology, rank)
     bound_gather = None  # an all-reduce's gather phase sized from the first exchange (or the bounds)
     if collective == "all_reduce" and plan is not None and choice.gather_counts != "measured":
         bound_gather = gather_plan(choice, config, counts.reduced_bounds(), layout, dtype, topology, rank)
-    planned = (choice, weighed, plan, bound_gather)
+    planned = (choice, weighed, plan, bound_gather, octave)
     if bounded:
         _bounded_plans.put(bounded_key, planned)
     return planned
 
 
 _bounded_plans = Memo("bounded plans", 64)
-"""Calls with bounds: ``(choice, candidates, plan, gather plan)`` by the call and its bounds table.
+"""Calls with bounds: ``(choice, candidates, plan, gather plan, octave)`` by the call and its bounds table.
 A pure memo (the decision and plans are functions of the key), so forgetting costs only a replan."""
 
 

@@ -15,6 +15,10 @@ channels) numbers), not from plans, and only the chosen one is planned, for this
 rounded to 1/16 of an octave of density and memoised, so calls with the same sparsity profile
 (every training step, every benchmark repetition) skip the weighing. All inputs are equal on
 every rank and the decision is a pure function of them, so every rank picks alike.
+
+A sparse candidate predicted within :data:`TRIAL_MARGIN` of the choice that has not been run at
+the call's density octave is run instead, twice, so that the measured model observes it (a
+*trial*, :mod:`.feedback`); the group's corrections say which were run, equally on every rank.
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ class Candidate:
     gather_counts: str = ""
     """All-reduce only: ``"bound"`` (gather phase sized from the first exchange) or
     ``"measured"`` (a second exchange); ``""`` otherwise."""
+    trial: bool = False
+    """Run in place of a slightly cheaper choice, since it has not been tried at this density
+    (:data:`TRIAL_MARGIN`)."""
 
     @property
     def name(self) -> str:
@@ -123,10 +130,14 @@ def weigh(
     rounds: int = 1,
     rings: bool = True,
     prefer: str | None = None,
+    tried: frozenset[str] | None = None,
 ) -> tuple[Candidate, dict[str, float]]:
     """:func:`choose` from a summary: O(world x channels) array work per candidate. ``prefer``:
     the name of the candidate the group ran last for such a call, which keeps winning unless
-    another is predicted more than :data:`STICKY_MARGIN` faster."""
+    another is predicted more than :data:`STICKY_MARGIN` faster. ``tried``: the candidates run
+    often enough at this density (:meth:`.feedback.Corrections.tried`); a sparse one predicted
+    within :data:`TRIAL_MARGIN` of the choice and not among them is run instead (``None``: no
+    trials)."""
     native, priced = _price(summary, config, dtype, model, exchanges, rings)
     candidates = _candidates(native, priced)
     if (
@@ -146,7 +157,7 @@ def weigh(
             extra = model.planning(summary.collective, layout.numel, dtype, summary.topology.world, 1)
             fmt = Format.PICI if config.format == "auto" else Format(config.format)
             candidates.append(("hierarchical", "hierarchical", fmt, predicted + extra, "", True))
-    return _pick(candidates, native is not None, model, exchanges, factors, rounds, prefer)
+    return _pick(candidates, native is not None, model, exchanges, factors, rounds, prefer, tried)
 
 
 def weigh_batch(
@@ -168,7 +179,7 @@ def weigh_batch(
     out = []
     for i in range(batch):
         at = [(a, f, m, Prediction(float(p.seconds[i]), bool(p.sparse[i]))) for a, f, m, p in priced]
-        out.append(_pick(_candidates(native, at), native is not None, model, exchanges, None, rounds, None))
+        out.append(_pick(_candidates(native, at), native is not None, model, exchanges, None, rounds, None, None))
     return out
 
 
@@ -231,9 +242,10 @@ def _pick(
     factors: Mapping[str, float] | None,
     rounds: int,
     prefer: str | None,
+    tried: frozenset[str] | None,
 ) -> tuple[Candidate, dict[str, float]]:
     """The cheapest candidate after the extra exchange rounds and the learned corrections, with the
-    native margin and the sticky preference; and every prediction by name."""
+    native margin, the sticky preference and trials; and every prediction by name."""
     extra = (rounds - 1) * model.exchange_s if rounds > 1 and exchanges else 0.0  # rounds beyond the one counted
     if extra or factors:
         candidates = [
@@ -254,8 +266,21 @@ def _pick(
         kept = next((c for c in candidates if c[0] == prefer and c[5]), None)
         if kept is not None and kept[1] != "native" and kept[3] * (1 - STICKY_MARGIN) <= best[3]:
             best = kept
+    trial = False
+    if tried is not None and best[1] not in _NOT_TRIED:
+        near = [
+            c
+            for c in candidates
+            if c[1] not in _NOT_TRIED
+            and c[0] not in tried
+            and c[0] != best[0]
+            and (c[5] or not native_weighed)
+            and c[3] <= best[3] * (1 + TRIAL_MARGIN)
+        ]
+        if near:
+            best, trial = min(near, key=lambda c: c[3]), True
     _, algorithm, fmt, seconds, mode, _ = best
-    return Candidate(algorithm, fmt, seconds, mode), {c[0]: c[3] for c in candidates}
+    return Candidate(algorithm, fmt, seconds, mode, trial), {c[0]: c[3] for c in candidates}
 
 
 NATIVE_MARGIN = 0.1
@@ -279,6 +304,17 @@ below native, and ``auto`` went back and forth between the two (native then held
 ``check_calls="first"``): 2.95 ms median against direct/Pici's 2.66 ms alone
 (``bench/results/2026-11-26_tenth/``). The native call itself is never held on to this way: a
 sparse candidate replaces it when predicted :data:`NATIVE_MARGIN` faster."""
+
+
+TRIAL_MARGIN = 0.25
+"""A sparse candidate predicted within this fraction above the choice, and not yet run
+:data:`~.feedback.TRIAL_RUNS` times at the call's density octave, is run instead (a trial) until
+it has been: the model's errors inside :data:`~.feedback.FAR` are never corrected, so near-ties
+can be misordered, and a candidate never run is never observed. 4 ranks as 4 emulated nodes on one
+H100, 256 MiB at 99% (2026-11-26): direct/COO was priced 2% above direct/Pici and took 0.85x its
+time. The native call and the hierarchical one are neither tried nor left for a trial (the native
+call keeps its own margin, :data:`NATIVE_MARGIN`)."""
+_NOT_TRIED = ("native", "hierarchical")
 
 
 def _gather_modes(setting: str, fmt: Format) -> tuple[str, ...]:
@@ -306,6 +342,7 @@ def decide(
     rounds: int = 1,
     rings: bool = True,
     prefer: str | None = None,
+    tried: frozenset[str] | None = None,
 ) -> tuple[Candidate, dict[str, float]]:
     """:func:`weigh` on the summary rounded to 1/16 of an octave of density
     (:meth:`~.summary.CountSummary.rounded`), memoised: calls with the same sparsity profile (every
@@ -331,12 +368,13 @@ def decide(
         rings,
         corrected,
         prefer,
+        tried,
         rounded.key(),
     )
     hit = _decisions.get(key)
     if hit is None:
         hit = _decisions.put(
-            key, weigh(rounded, config, dtype, model, exchanges, factors, default_group, rounds, rings, prefer)
+            key, weigh(rounded, config, dtype, model, exchanges, factors, default_group, rounds, rings, prefer, tried)
         )
     return hit
 

@@ -31,6 +31,19 @@ model is calibrated on fp32 alone: a bf16 call of 256 MiB learning from fp32 one
 left it for a ring that ran 64. The first observation of a kind is left out
 (connection setup, allocation and compilation make it slow), as benchmarks leave out warm-up.
 
+A near-tied candidate that ``auto`` never runs is never observed, so a misprice that makes it look
+slower than it is stays (4 ranks as 4 emulated nodes on one H100, 256 MiB at 99%, 2026-11-26:
+direct/COO priced at 1.22x its 58.5 ms, a hair above direct/Pici, which ran 68.4 ms, in four
+sittings out of four). So every call counts as a *run* of its kind at its density octave
+(:func:`~.summary.density_octave`), and :meth:`Corrections.tried` names the candidates run
+:data:`TRIAL_RUNS` times at the call's octave: a sparse candidate predicted within
+:data:`~.choice.TRIAL_MARGIN` of the choice and not yet tried there is run instead, twice (a
+*trial*: its first observation can be a kind's warm-up, and the median needs two in a row), and
+then weighed on what it was seen to take. Trials are bounded: at most two calls per candidate,
+density octave, size class and element type, counted when they run, whether observed or not (a
+DDP hook's overlapped calls are seldom observed). A trial does not become the group's preference
+(``last``), so it is not kept by :data:`~.choice.STICKY_MARGIN` unless it measured better.
+
 A sparse kind not yet observed takes a share of what the observed sparse kinds of its collective
 and size class learned (:data:`UNOBSERVED`): much of the model's error is shared by the
 candidates of one call (the same links carry them), and weighing an unobserved candidate
@@ -68,6 +81,7 @@ __all__ = [
     "NATIVE",
     "OWN_ONLY",
     "STEP",
+    "TRIAL_RUNS",
     "UNOBSERVED",
     "Corrections",
     "factor_of",
@@ -75,8 +89,10 @@ __all__ = [
     "size_class",
 ]
 
-FAR = 1.25
-"""A measured time more than this factor away from its prediction (either way) corrects the model."""
+FAR = 1.15
+"""A measured time more than this factor away from its prediction (either way) corrects the model.
+It was 1.25 before the median (lone outliers no longer move a factor): a misprice of 1.22x stayed
+(the module docstring's trial)."""
 STEP = 0.5
 """How far one observation moves a factor toward what it saw, in log space (1: all the way).
 Halfway reaches a steady error of 4x within 3 observations to within :data:`FAR`."""
@@ -86,6 +102,9 @@ NATIVE = "native/dense"
 """The native call's candidate name."""
 OWN_ONLY = frozenset({NATIVE, "hierarchical"})
 """Candidates that neither give nor take the share of :data:`UNOBSERVED`."""
+TRIAL_RUNS = 2
+"""Runs of a candidate at a call's density octave after which it counts as tried there
+(:meth:`Corrections.tried`)."""
 UNOBSERVED = "*"
 """Key, in :meth:`Corrections.factors_for`, of the factor of sparse candidates with no
 observation of their own."""
@@ -133,11 +152,11 @@ class Corrections:
     exchanged row of times. ``version`` counts the changes of a factor (for logs and tests);
     ``revision`` moves with every counted observation, so with every change of what
     :meth:`factors_for` returns, for results kept until it moves (``held.Route``); decisions
-    are memoised under the factors themselves (:func:`~.choice.decide`), so a corrected model is
-    weighed afresh.
+    are memoised under the factors themselves and the tried candidates (:func:`~.choice.decide`),
+    so a corrected model is weighed afresh.
     """
 
-    __slots__ = ("factors", "last", "seen", "recent", "version", "revision", "_pending")
+    __slots__ = ("factors", "last", "seen", "recent", "runs", "version", "revision", "_pending")
 
     def __init__(self) -> None:
         self.factors: dict[tuple[str, str, int, str], float] = {}
@@ -146,6 +165,9 @@ class Corrections:
         """Observations by kind, the first (left out) included."""
         self.recent: dict[tuple[str, str, int, str], float] = {}
         """The last observed measured / predicted (uncorrected) by kind, the first left out."""
+        self.runs: dict[tuple[str, int, str, int], dict[str, int]] = {}
+        """Calls run, by ``(collective, size class, element type, density octave)`` and candidate
+        (calls whose octave was given: those that weighed their candidates)."""
         self.last: dict[tuple[str, int, str, str], str] = {}
         """The candidate the group ran last, by ``(collective, size class, element type, scope)``
         (for ``choice.weigh``'s ``prefer``); the scope names the config that chose it, so that a
@@ -185,17 +207,38 @@ class Corrections:
         timer: Span,
         dtype: torch.dtype | None = None,
         scope: str = "",
+        octave: int | None = None,
+        trial: bool = False,
     ) -> None:
         """Remember this rank's call (its uncorrected prediction and its timer) for the next exchange,
-        and that the group ran ``candidate`` under the config ``scope`` names (every rank of the
-        group calls this alike)."""
-        self.ran(kind_of(collective, candidate, nbytes, dtype), predicted_s, timer, scope)
+        and that the group ran ``candidate`` under the config ``scope`` names, unless it was a
+        ``trial``; ``octave``: the call's :func:`~.summary.density_octave`, counting the run for
+        :meth:`tried` (every rank of the group calls this alike)."""
+        self.ran(kind_of(collective, candidate, nbytes, dtype), predicted_s, timer, scope, octave, trial)
 
-    def ran(self, kind: tuple[str, str, int, str], predicted_s: float, timer: Span, scope: str = "") -> None:
+    def ran(
+        self,
+        kind: tuple[str, str, int, str],
+        predicted_s: float,
+        timer: Span,
+        scope: str = "",
+        octave: int | None = None,
+        trial: bool = False,
+    ) -> None:
         """:meth:`called`, for a call of a :func:`kind_of` made beforehand."""
         collective, candidate, size, of = kind
         self._pending = _Pending(kind, predicted_s, timer)
-        self.last[(collective, size, of, scope)] = candidate
+        if octave is not None:
+            runs = self.runs.setdefault((collective, size, of, octave), {})
+            runs[candidate] = runs.get(candidate, 0) + 1
+        if not trial:
+            self.last[(collective, size, of, scope)] = candidate
+
+    def tried(self, collective: str, nbytes: int, dtype: torch.dtype | None, octave: int) -> frozenset[str]:
+        """The candidates run :data:`TRIAL_RUNS` times or more for calls of this collective, size
+        class and element type at density ``octave``."""
+        runs = self.runs.get((collective, size_class(nbytes), _type_name(dtype), octave))
+        return frozenset(name for name, n in runs.items() if n >= TRIAL_RUNS) if runs else frozenset()
 
     def last_run(self, collective: str, nbytes: int, dtype: torch.dtype | None = None, scope: str = "") -> str | None:
         """The candidate the group ran last for a call of this collective, size class, element type

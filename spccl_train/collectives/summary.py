@@ -155,6 +155,14 @@ class CountSummary:
         """``density[q]``: rank ``q``'s nonzeros over the elements it holds."""
         return self.held / max(1, _held_elements(self.collective, self.layout))
 
+    @property
+    def octave(self) -> int:
+        """The ranks' mean density to the nearest octave, ``round(log2(density))``: 0 dense, -7
+        at 99% sparsity, -10 at 99.9% (an empty call counts as one nonzero). Where ``auto``'s
+        trials are counted (:meth:`.feedback.Corrections.tried`)."""
+        held = max(1, int(self.held.sum()))
+        return round(math.log2(held / max(1, self.held.size * _held_elements(self.collective, self.layout))))
+
     @classmethod
     def of(
         cls, collective: str, table: object, layout: ChunkLayout, topology: Topology, batch: bool = False
