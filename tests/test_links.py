@@ -398,6 +398,40 @@ def test_runs_count_by_density_octave_and_a_trial_is_no_preference():
     assert "ring/pici" not in c.tried("all_reduce", nbytes, torch.float32, -10)
 
 
+def test_at_an_octave_a_kind_is_weighed_by_what_it_took_there():
+    """The median of the last LOCAL_CALLS observations at an octave (the lower middle of two),
+    the kind's warm-up left out; other octaves keep the kind's factor."""
+    import random
+
+    seed = random.randrange(1 << 32)
+    rng = random.Random(seed)
+    c = feedback.Corrections()
+    nbytes = 64 << 20
+
+    def observe(ratio: float, octave: int | None) -> None:
+        c.called("all_reduce", "direct/coo", nbytes, 0.01, _Done(0.01 * ratio), torch.float32, "auto", octave)
+        c.learn([c.report()])
+
+    observe(9.0, -7)  # the kind's warm-up: nowhere
+    assert c.factors_for("all_reduce", nbytes, torch.float32, -7) == {}
+    ratios = [rng.uniform(0.5, 0.9) for _ in range(5)]
+    observe(ratios[0], -7)
+    assert c.factors_for("all_reduce", nbytes, torch.float32, -7)["direct/coo"] == pytest.approx(ratios[0], rel=1e-6)
+    observe(ratios[1], -7)
+    got = c.factors_for("all_reduce", nbytes, torch.float32, -7)["direct/coo"]
+    assert got == pytest.approx(min(ratios[:2]), rel=1e-6), f"seed {seed}"
+    for r in ratios[2:]:
+        observe(r, -7)
+    got = c.factors_for("all_reduce", nbytes, torch.float32, -7)["direct/coo"]
+    assert got == pytest.approx(sorted(ratios[-feedback.LOCAL_CALLS :])[1], rel=1e-6), f"seed {seed}"
+    # elsewhere, the kind's own factor (learned from all of them, within FAR of them)
+    kind = c.factors_for("all_reduce", nbytes, torch.float32)["direct/coo"]
+    assert c.factors_for("all_reduce", nbytes, torch.float32, -10)["direct/coo"] == kind
+    assert c.factors_for("all_reduce", nbytes, torch.bfloat16, -7) == {}
+    observe(5.0, None)  # a call without an octave (with bounds) is no octave's
+    assert c.factors_for("all_reduce", nbytes, torch.float32, -7)["direct/coo"] == pytest.approx(got, rel=1e-6)
+
+
 def test_the_slowest_rank_is_the_calls_time():
     c = feedback.Corrections()
     for times in ([1, 1], [4_000_000_000, 1]):

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import logging
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,7 @@ from .hierarchical import check_hierarchy
 from .plan import Plan
 from .state import Memo, state_of
 from .stats import CollectiveStats, CollectiveWork, add_statuses, dense_ring_bytes
+from .summary import CountSummary
 from .topology import Topology
 
 __all__ = [
@@ -458,11 +459,13 @@ def _run(
                 None, how, received,
             )  # fmt: skip
         config = dataclasses.replace(config, algorithm="auto")  # (the memo key keeps "hierarchical")
-    factors = corrections.factors_for(collective, nbytes, inp.dtype) if corrections is not None else None
+    # the density octave of exchanged counts, where the corrections keep what candidates took and
+    # trials are counted (a call with bounds keeps one plan per bounds table: neither)
+    summary = counts.summary(layout, topology) if bounds is None else None
+    octave = summary.octave if summary is not None and corrections is not None else None
+    factors = corrections.factors_for(collective, nbytes, inp.dtype, octave) if corrections is not None else None
 
-    def learn(
-        timer: Span, choice: Candidate, octave: int | None = None
-    ) -> None:  # the call's time, for the next exchange
+    def learn(timer: Span, choice: Candidate) -> None:  # the call's time, for the next exchange
         if corrections is not None and not (inp.is_cuda and torch.cuda.is_current_stream_capturing()):
             # (a call captured in a CUDA graph ran nothing: its timer's events belong to the graph)
             uncorrected = choice.predicted_s / factor_of(factors, choice.name)
@@ -470,14 +473,14 @@ def _run(
                 collective, choice.name, nbytes, uncorrected, timer, inp.dtype, fingerprint, octave, choice.trial
             )
 
-    prefer, trials = None, None
+    prefer, tried = None, None
     if corrections is not None:
         prefer = corrections.last_run(collective, nbytes, inp.dtype, fingerprint)
-        if bounds is None:  # a call with bounds keeps one plan per bounds table: no trials
-            trials = functools.partial(corrections.tried, collective, nbytes, inp.dtype)
-    choice, weighed, plan, bound_gather, octave = _decide_and_plan(
-        collective, config, key, counts, layout, inp.dtype, topology, r, model, factors, default_group, rounds,
-        bounds is not None, prefer, trials,
+        if octave is not None:
+            tried = corrections.tried(collective, nbytes, inp.dtype, octave)
+    choice, weighed, plan, bound_gather = _decide_and_plan(
+        collective, config, key, counts, summary, layout, inp.dtype, topology, r, model, factors, default_group,
+        rounds, prefer, tried,
     )  # fmt: skip
     if bounds is None and held.applies(config):  # (a dense config's calls go native before the holds matter)
         state_of(transport).holds.decided(held.signature(request), choice.algorithm == "native")
@@ -485,7 +488,7 @@ def _run(
         chosen = (choice.predicted_s, weighed)
         return decoded_first(
             encoded, x, sink, hierarchical.run, _step, collective, transport, config, topology, inp, out, timer, 0.0,
-            chosen, how, received, functools.partial(learn, choice=choice, octave=octave),
+            chosen, how, received, functools.partial(learn, choice=choice),
         )  # fmt: skip
 
     # 3. the executors
@@ -501,7 +504,7 @@ def _run(
         else (dense_ring_bytes(collective, layout.numel, p, inp.element_size()),) * 2
     )
     event = timer.stop()
-    learn(timer, choice, octave)
+    learn(timer, choice)
 
     # 4. the stats
     stats = CollectiveStats(
@@ -571,6 +574,7 @@ def _decide_and_plan(
     config: CollectiveConfig,
     key: str,
     counts: Counts,
+    summary: CountSummary | None,
     layout: ChunkLayout,
     dtype: torch.dtype,
     topology: Topology,
@@ -579,25 +583,23 @@ def _decide_and_plan(
     factors: dict[str, float] | None,
     default_group: bool,
     rounds: int,
-    bounded: bool,
     prefer: str | None = None,
-    trials: Callable[[int], frozenset[str]] | None = None,
-) -> tuple[Candidate, dict[str, float], Plan | None, Plan | None, int]:
-    """``(choice, predictions, plan, gather plan, density octave)``: :func:`~.choice.decide` from
-    the counts' summary (``prefer``: the candidate the group ran last for such a call,
-    :data:`~.choice.STICKY_MARGIN`; ``trials``: the candidates tried at a density octave,
-    :meth:`.feedback.Corrections.tried`, or ``None``), then this rank's plan of the choice (none
-    for native or hierarchical) and, for an all-reduce sized from bounds, of its gather phase. A
-    call with bounds (``bounded``: the same bounds every step, a DDP bucket) decides and plans
-    once per bounds table."""
+    tried: frozenset[str] | None = None,
+) -> tuple[Candidate, dict[str, float], Plan | None, Plan | None]:
+    """``(choice, predictions, plan, gather plan)``: :func:`~.choice.decide` from the counts'
+    ``summary`` (``prefer``: the candidate the group ran last for such a call,
+    :data:`~.choice.STICKY_MARGIN`; ``tried``: :meth:`.feedback.Corrections.tried`, or ``None``),
+    then this rank's plan of the choice (none for native or hierarchical) and, for an all-reduce
+    sized from bounds, of its gather phase. A call with bounds (``summary`` ``None``: the same
+    bounds every step, a DDP bucket) decides and plans once per bounds table."""
+    bounded = summary is None
     if bounded:
         corrected = tuple(sorted(factors.items())) if factors else ()
         bounded_key = (collective, key, dtype, layout, topology, rank, corrected, prefer, counts.table.tobytes())
         planned = _bounded_plans.get(bounded_key)
         if planned is not None:
             return planned
-    summary = counts.summary(layout, topology)
-    octave = summary.octave
+        summary = counts.summary(layout, topology)
     choice, weighed = decide(
         config,
         key,
@@ -610,22 +612,22 @@ def _decide_and_plan(
         max(rounds, 1),
         counts.table is not None,
         prefer,
-        trials(octave) if trials is not None else None,
+        tried,
     )
     if choice.algorithm == "hierarchical":
-        return choice, weighed, None, None, octave
+        return choice, weighed, None, None
     plan = plan_candidate(choice, collective, config, counts, layout, dtype, topology, rank)
     bound_gather = None  # an all-reduce's gather phase sized from the first exchange (or the bounds)
     if collective == "all_reduce" and plan is not None and choice.gather_counts != "measured":
         bound_gather = gather_plan(choice, config, counts.reduced_bounds(), layout, dtype, topology, rank)
-    planned = (choice, weighed, plan, bound_gather, octave)
+    planned = (choice, weighed, plan, bound_gather)
     if bounded:
         _bounded_plans.put(bounded_key, planned)
     return planned
 
 
 _bounded_plans = Memo("bounded plans", 64)
-"""Calls with bounds: ``(choice, candidates, plan, gather plan, octave)`` by the call and its bounds table.
+"""Calls with bounds: ``(choice, candidates, plan, gather plan)`` by the call and its bounds table.
 A pure memo (the decision and plans are functions of the key), so forgetting costs only a replan."""
 
 

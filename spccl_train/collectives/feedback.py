@@ -38,11 +38,21 @@ sittings out of four). So every call counts as a *run* of its kind at its densit
 (:func:`~.summary.density_octave`), and :meth:`Corrections.tried` names the candidates run
 :data:`TRIAL_RUNS` times at the call's octave: a sparse candidate predicted within
 :data:`~.choice.TRIAL_MARGIN` of the choice and not yet tried there is run instead, twice (a
-*trial*: its first observation can be a kind's warm-up, and the median needs two in a row), and
-then weighed on what it was seen to take. Trials are bounded: at most two calls per candidate,
-density octave, size class and element type, counted when they run, whether observed or not (a
-DDP hook's overlapped calls are seldom observed). A trial does not become the group's preference
-(``last``), so it is not kept by :data:`~.choice.STICKY_MARGIN` unless it measured better.
+*trial*: its first observation can be a kind's warm-up), and then weighed on what it was seen to
+take. Trials are bounded: at most two calls per candidate, density octave, size class and element
+type, counted when they run, whether observed or not (a DDP hook's overlapped calls are seldom
+observed). A trial does not become the group's preference (``last``), so it is not kept by
+:data:`~.choice.STICKY_MARGIN` unless it measured better.
+
+What a candidate was seen to take at the call's octave is used as it is: the kind's factor is fitted
+across densities and moves only beyond :data:`FAR`, so inside that band two candidates whose errors
+differ stay misordered (in the sweep above after a trial of direct/COO: priced 79.3 ms against
+direct/Pici's 82.0, inside the sticky margin, while they ran 73.8 and 82.7). So the last
+:data:`LOCAL_CALLS` observed ratios of each kind at each octave are kept, and at that octave the
+candidate's factor is their median (the lower middle of two: a slow hiccup is likelier than a fast
+one), in place of the kind's. The candidate ``auto`` runs is observed call after call, so its figure
+follows the links; one it left keeps the figure it left with, and is run again once the running one
+is seen to be slower.
 
 A sparse kind not yet observed takes a share of what the observed sparse kinds of its collective
 and size class learned (:data:`UNOBSERVED`): much of the model's error is shared by the
@@ -78,6 +88,7 @@ from .._timing import Span
 __all__ = [
     "FACTOR_RANGE",
     "FAR",
+    "LOCAL_CALLS",
     "NATIVE",
     "OWN_ONLY",
     "STEP",
@@ -102,6 +113,8 @@ NATIVE = "native/dense"
 """The native call's candidate name."""
 OWN_ONLY = frozenset({NATIVE, "hierarchical"})
 """Candidates that neither give nor take the share of :data:`UNOBSERVED`."""
+LOCAL_CALLS = 3
+"""Observations of a kind at one density octave whose median is its factor there."""
 TRIAL_RUNS = 2
 """Runs of a candidate at a call's density octave after which it counts as tried there
 (:meth:`Corrections.tried`)."""
@@ -143,6 +156,7 @@ class _Pending:
     predicted_s: float
     """The uncorrected prediction (equal on every rank)."""
     timer: Span
+    octave: int | None
 
 
 class Corrections:
@@ -156,7 +170,7 @@ class Corrections:
     so a corrected model is weighed afresh.
     """
 
-    __slots__ = ("factors", "last", "seen", "recent", "runs", "version", "revision", "_pending")
+    __slots__ = ("factors", "last", "seen", "recent", "local", "runs", "version", "revision", "_pending")
 
     def __init__(self) -> None:
         self.factors: dict[tuple[str, str, int, str], float] = {}
@@ -165,6 +179,9 @@ class Corrections:
         """Observations by kind, the first (left out) included."""
         self.recent: dict[tuple[str, str, int, str], float] = {}
         """The last observed measured / predicted (uncorrected) by kind, the first left out."""
+        self.local: dict[tuple[str, int, str, int], dict[str, list[float]]] = {}
+        """The last :data:`LOCAL_CALLS` observed measured / predicted (uncorrected), by ``(collective,
+        size class, element type, density octave)`` and candidate, the kind's first left out."""
         self.runs: dict[tuple[str, int, str, int], dict[str, int]] = {}
         """Calls run, by ``(collective, size class, element type, density octave)`` and candidate
         (calls whose octave was given: those that weighed their candidates)."""
@@ -176,11 +193,14 @@ class Corrections:
         self.revision = 0
         self._pending: _Pending | None = None
 
-    def factors_for(self, collective: str, nbytes: int, dtype: torch.dtype | None = None) -> dict[str, float]:
+    def factors_for(
+        self, collective: str, nbytes: int, dtype: torch.dtype | None = None, octave: int | None = None
+    ) -> dict[str, float]:
         """The factors of the candidates of one call of ``dtype`` elements, by candidate name, for
         :func:`factor_of`: each observed kind's own (1 where its predictions held), and under
         :data:`UNOBSERVED` the geometric mean of the ``n`` observed sparse kinds' to the power
-        ``n / (n + 1)`` (absent when none was observed)."""
+        ``n / (n + 1)`` (absent when none was observed). At a density ``octave``, a kind observed
+        there takes the median of its last observations there instead of its own."""
         size, of = size_class(nbytes), _type_name(dtype)
         own = {
             kind[1]: self.factors.get(kind, 1.0)
@@ -190,6 +210,9 @@ class Corrections:
         share = self._shared((collective, "", size, of))
         if share is not None:
             own[UNOBSERVED] = share
+        if octave is not None:
+            for name, ratios in self.local.get((collective, size, of, octave), {}).items():
+                own[name] = sorted(ratios)[(len(ratios) - 1) // 2]
         return own
 
     def own_factor(self, kind: tuple[str, str, int, str]) -> float:
@@ -227,7 +250,7 @@ class Corrections:
     ) -> None:
         """:meth:`called`, for a call of a :func:`kind_of` made beforehand."""
         collective, candidate, size, of = kind
-        self._pending = _Pending(kind, predicted_s, timer)
+        self._pending = _Pending(kind, predicted_s, timer, octave)
         if octave is not None:
             runs = self.runs.setdefault((collective, size, of, octave), {})
             runs[candidate] = runs.get(candidate, 0) + 1
@@ -274,6 +297,11 @@ class Corrections:
                 self.factors[kind] = share
             return False
         ratio = max(times_ns) / 1e9 / pending.predicted_s
+        if pending.octave is not None:
+            collective, candidate, size, of = kind
+            ratios = self.local.setdefault((collective, size, of, pending.octave), {}).setdefault(candidate, [])
+            ratios.append(min(max(ratio, FACTOR_RANGE[0]), FACTOR_RANGE[1]))
+            del ratios[:-LOCAL_CALLS]
         previous, self.recent[kind] = self.recent.get(kind), ratio
         old = self.factors.get(kind, 1.0)
         heard = ratio if previous is None else sorted((previous, ratio, old))[1]  # a lone outlier: old
