@@ -682,9 +682,10 @@ def test_a_near_tied_candidate_not_yet_tried_at_this_density_is_run_instead():
     a trial, and the trial does not change the predictions reported."""
     import random
 
-    from spccl_train.collectives.choice import TRIAL_MARGIN
+    from spccl_train.collectives.choice import NATIVE_MARGIN, TRIAL_MARGIN
 
-    rng = random.Random()
+    seed = random.randrange(1 << 32)
+    rng = random.Random(seed)
     layout = ChunkLayout.aligned(4 * 16 * TILE, 4)
     summary = CountSummary.of("all_reduce", _table(layout, rng.uniform(0.005, 0.05)), layout, Topology(4))
     cfg = CollectiveConfig(format="pici")
@@ -696,7 +697,7 @@ def test_a_near_tied_candidate_not_yet_tried_at_this_density_is_run_instead():
     inside = {other: ratio * (1 + rng.uniform(0.05, 0.95) * TRIAL_MARGIN)}
     outside = {other: ratio * (1 + rng.uniform(1.05, 3.0) * TRIAL_MARGIN)}
     got, predictions = weigh(summary, cfg, F32, _model(), factors=inside, tried=frozenset())
-    assert got.name == other and got.trial, (got, predictions)
+    assert got.name == other and got.trial, (seed, got, predictions)
     assert predictions == weigh(summary, cfg, F32, _model(), factors=inside)[1]
     assert got.predicted_s == pytest.approx(predictions[other])
     assert weigh(summary, cfg, F32, _model(), factors=inside)[0] == best  # no trials asked for
@@ -704,15 +705,28 @@ def test_a_near_tied_candidate_not_yet_tried_at_this_density_is_run_instead():
     assert weigh(summary, cfg, F32, _model(), factors=outside, tried=frozenset())[0] == best
     # the best untried itself: the near one is still tried first (each of them gets its runs)
     assert weigh(summary, cfg, F32, _model(), factors=inside, tried=frozenset({best.name}))[0].name == other
-    # native: kept by its margin, never left for a trial, never tried
+    # native: never left for a trial, and a trial too must beat native by its margin
     auto = CollectiveConfig()
-    best, weighed = weigh(summary, auto, F32, _model())
-    to_native = best.predicted_s / weighed["native/dense"]
-    native_best = {"native/dense": to_native * 0.5}
-    assert weigh(summary, auto, F32, _model(), factors=native_best, tried=frozenset())[0].algorithm == "native"
-    sparse_best = {"native/dense": to_native * (1 + 0.5 * TRIAL_MARGIN)}
-    got = weigh(summary, auto, F32, _model(), factors=sparse_best, tried=frozenset())[0]
-    assert got.algorithm != "native"
+    best, raw = weigh(summary, auto, F32, _model())
+    assert best.algorithm != "native", raw
+    sparse = sorted(n for n in raw if n != "native/dense")
+    b, o = best.name, next(n for n in sparse if n != best.name)
+
+    def shaped(native_over_best: float) -> dict[str, float]:  # best at P, o at 1.1 P, the rest far
+        p = raw[b]
+        factors = {n: 3 * p / raw[n] for n in sparse}
+        factors |= {b: 1.0, o: 1.1 * p / raw[o], "native/dense": native_over_best * p / raw["native/dense"]}
+        return factors
+
+    native_best = shaped(1 - 0.5 * NATIVE_MARGIN)  # native a little faster than b: kept by its margin
+    got = weigh(summary, auto, F32, _model(), factors=native_best, tried=frozenset())[0]
+    assert got.algorithm == "native" and not got.trial, (seed, got)
+    narrow = shaped(1 / 0.85)  # b beats native by 15%, o (1.1 P) not by 10%: no trial of o
+    got = weigh(summary, auto, F32, _model(), factors=narrow, tried=frozenset())[0]
+    assert got.name == b and not got.trial, (seed, got)
+    wide = shaped(1 / 0.7)  # o beats native by its margin too: o is tried
+    got = weigh(summary, auto, F32, _model(), factors=wide, tried=frozenset())[0]
+    assert got.name == o and got.trial, (seed, got)
     # decide memoises under the tried candidates too
     clear_decisions()
     half = {other: ratio * (1 + 0.5 * TRIAL_MARGIN)}

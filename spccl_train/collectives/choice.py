@@ -67,7 +67,7 @@ class Candidate:
     """All-reduce only: ``"bound"`` (gather phase sized from the first exchange) or
     ``"measured"`` (a second exchange); ``""`` otherwise."""
     trial: bool = False
-    """Run in place of a slightly cheaper choice, since it has not been tried at this density
+    """Run in place of the choice, near-tied with it and not yet tried at this density
     (:data:`TRIAL_MARGIN`)."""
 
     @property
@@ -268,6 +268,8 @@ def _pick(
             best = kept
     trial = False
     if tried is not None and best[1] not in _NOT_TRIED:
+        # a trial too must beat the native call by its margin: auto never runs what it predicts slower
+        native = candidates[0][3] * (1 - NATIVE_MARGIN) if native_weighed else float("inf")
         near = [
             c
             for c in candidates
@@ -276,6 +278,7 @@ def _pick(
             and c[0] != best[0]
             and (c[5] or not native_weighed)
             and c[3] <= best[3] * (1 + TRIAL_MARGIN)
+            and c[3] < native
         ]
         if near:
             best, trial = min(near, key=lambda c: c[3]), True
@@ -312,8 +315,8 @@ TRIAL_MARGIN = 0.25
 it has been: the model's errors inside :data:`~.feedback.FAR` are never corrected, so near-ties
 can be misordered, and a candidate never run is never observed. 4 ranks as 4 emulated nodes on one
 H100, 256 MiB at 99% (2026-11-26): direct/COO was priced 2% above direct/Pici and took 0.85x its
-time. The native call and the hierarchical one are neither tried nor left for a trial (the native
-call keeps its own margin, :data:`NATIVE_MARGIN`)."""
+time. The native call and the hierarchical one are neither tried nor left for a trial, and a trial
+too must be predicted :data:`NATIVE_MARGIN` faster than the native call."""
 _NOT_TRIED = ("native", "hierarchical")
 
 

@@ -35,7 +35,7 @@ A near-tied candidate that ``auto`` never runs is never observed, so a misprice 
 slower than it is stays (4 ranks as 4 emulated nodes on one H100, 256 MiB at 99%, 2026-11-26:
 direct/COO priced at 1.22x its 58.5 ms, a hair above direct/Pici, which ran 68.4 ms, in four
 sittings out of four). So every call counts as a *run* of its kind at its density octave
-(:func:`~.summary.density_octave`), and :meth:`Corrections.tried` names the candidates run
+(:attr:`~.summary.CountSummary.octave`), and :meth:`Corrections.tried` names the candidates run
 :data:`TRIAL_RUNS` times at the call's octave: a sparse candidate predicted within
 :data:`~.choice.TRIAL_MARGIN` of the choice and not yet tried there is run instead, twice (a
 *trial*: its first observation can be a kind's warm-up), and then weighed on what it was seen to
@@ -50,7 +50,8 @@ differ stay misordered (in the sweep above after a trial of direct/COO: priced 7
 direct/Pici's 82.0, inside the sticky margin, while they ran 73.8 and 82.7). So the last
 :data:`LOCAL_CALLS` observed ratios of each kind at each octave are kept, and at that octave the
 candidate's factor is their median (the lower middle of two: a slow hiccup is likelier than a fast
-one), in place of the kind's. The candidate ``auto`` runs is observed call after call, so its figure
+one; to 1/16 of an octave, so that repeated calls share a memoised decision), in place of the
+kind's. The candidate ``auto`` runs is observed call after call, so its figure
 follows the links; one it left keeps the figure it left with, and is run again once the running one
 is seen to be slower.
 
@@ -106,7 +107,7 @@ It was 1.25 before the median (lone outliers no longer move a factor): a mispric
 (the module docstring's trial)."""
 STEP = 0.5
 """How far one observation moves a factor toward what it saw, in log space (1: all the way).
-Halfway reaches a steady error of 4x within 3 observations to within :data:`FAR`."""
+Halfway reaches a steady error of 4x within 4 observations to within :data:`FAR`."""
 FACTOR_RANGE = (1 / 16, 16.0)
 """Bounds of a factor: the model is fitted, not guessed, and stays within this of its figures."""
 NATIVE = "native/dense"
@@ -131,6 +132,13 @@ def factor_of(factors: Mapping[str, float] | None, candidate: str) -> float:
     if candidate in factors:
         return factors[candidate]
     return 1.0 if candidate in OWN_ONLY else factors.get(UNOBSERVED, 1.0)
+
+
+def _local_factor(ratios: list[float]) -> float:
+    """The median of a kind's last observations at an octave (the lower middle of two), to 1/16 of
+    an octave: calls whose medians round alike weigh alike, and share a memoised decision."""
+    median = sorted(ratios)[(len(ratios) - 1) // 2]
+    return 2.0 ** (round(16 * math.log2(median)) / 16)
 
 
 def _type_name(dtype: torch.dtype | None) -> str:
@@ -162,8 +170,9 @@ class _Pending:
 class Corrections:
     """One group's correction factors, and this rank's last call on the group, not yet reported.
 
-    Every rank of the group holds an equal copy: it changes only in :meth:`learn`, from the
-    exchanged row of times. ``version`` counts the changes of a factor (for logs and tests);
+    Every rank of the group holds an equal copy: its factors change only in :meth:`learn`, from
+    the exchanged row of times, and its runs and last candidates in :meth:`ran`, which every rank
+    calls alike. ``version`` counts the changes of a factor (for logs and tests);
     ``revision`` moves with every counted observation, so with every change of what
     :meth:`factors_for` returns, for results kept until it moves (``held.Route``); decisions
     are memoised under the factors themselves and the tried candidates (:func:`~.choice.decide`),
@@ -212,8 +221,22 @@ class Corrections:
             own[UNOBSERVED] = share
         if octave is not None:
             for name, ratios in self.local.get((collective, size, of, octave), {}).items():
-                own[name] = sorted(ratios)[(len(ratios) - 1) // 2]
+                own[name] = _local_factor(ratios)
         return own
+
+    def least_local(self, collective: str, nbytes: int, dtype: torch.dtype | None = None) -> float | None:
+        """The smallest factor any sparse candidate takes at any density octave for calls of this
+        collective, size class and element type (``None``: none observed): what a bound over every
+        density must allow (``held.held_now``)."""
+        size, of = size_class(nbytes), _type_name(dtype)
+        found = [
+            _local_factor(ratios)
+            for (c, s, o, _), by_name in self.local.items()
+            if (c, s, o) == (collective, size, of)
+            for name, ratios in by_name.items()
+            if name not in OWN_ONLY
+        ]
+        return min(found) if found else None
 
     def own_factor(self, kind: tuple[str, str, int, str]) -> float:
         """:func:`factor_of` of :meth:`factors_for` for a :func:`kind_of` whose candidate is of
@@ -235,7 +258,7 @@ class Corrections:
     ) -> None:
         """Remember this rank's call (its uncorrected prediction and its timer) for the next exchange,
         and that the group ran ``candidate`` under the config ``scope`` names, unless it was a
-        ``trial``; ``octave``: the call's :func:`~.summary.density_octave`, counting the run for
+        ``trial``; ``octave``: the call's :attr:`~.summary.CountSummary.octave`, counting the run for
         :meth:`tried` (every rank of the group calls this alike)."""
         self.ran(kind_of(collective, candidate, nbytes, dtype), predicted_s, timer, scope, octave, trial)
 

@@ -107,14 +107,14 @@ def held_now(
     if route is not None and route.verdict is not None and route.verdict[0] == made:
         return route.verdict[1]
     model = model_of(config, transport, topology, device).model  # made by the checked call already
-    factors = (
-        corrections.factors_for(collective, layout.numel * element_size(dtype), dtype)
-        if corrections is not None
-        else None
-    )
+    nbytes = layout.numel * element_size(dtype)
+    factors = corrections.factors_for(collective, nbytes, dtype) if corrections is not None else None
     sparse_factor = min(
         factor_of(factors, name) for name in ("ring/pici", "ring/coo", "direct/pici", "direct/coo", "hierarchical")
     )
+    local = corrections.least_local(collective, nbytes, dtype) if corrections is not None else None
+    if local is not None:  # what a sparse candidate took at some density octave (no octave is weighed here)
+        sparse_factor = min(sparse_factor, local)
     extra = (rounds - 1) * model.exchange_s  # what an exchange's further rounds would add to every candidate
     native = (model.predict_native(collective, layout.numel, dtype, topology) + extra) * factor_of(
         factors, "native/dense"
