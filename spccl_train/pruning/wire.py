@@ -8,7 +8,10 @@ Its oracle is :func:`prune_to_wire_reference`, which equals the unfused referenc
 (``tests/test_pruning_wire.py``).
 
 Cost: O(numel) bytes read twice (gradient, error) and written once (error) plus the payloads;
-one launch per piece (``world x channels``), each a persistent grid over its tiles.
+one launch per piece (``world x channels``), each a persistent grid over its tiles. A piece's grid
+idles at its start (the first loads) and its end (the last tiles' look-backs, blocks without a
+tile), so the pieces alternate between the caller's stream and a second one, and one piece's tail
+overlaps the next one's start.
 """
 
 from __future__ import annotations
@@ -31,15 +34,36 @@ def prune_to_wire(
     kernels run; elsewhere it may hold the pruned values (the CPU path leaves it too)."""
     if uses_kernels(g):
         kept = torch.zeros(1, dtype=torch.int32, device=g.device)
-        counts = [
-            torch.ops.spccl.pici_prune_compress(g, e, piece.start, piece.numel, threshold, decay, kept, into.payload(i))
-            for i, piece in enumerate(into.pieces)
-        ]
+        main = torch.cuda.current_stream(g.device)
+        side = _side_stream(g.device)
+        side.wait_stream(main)  # the gradient, error, threshold and kept are ready
+        counts = []
+        for i, piece in enumerate(into.pieces):
+            stream = side if i % 2 else main
+            with torch.cuda.stream(stream):
+                count = torch.ops.spccl.pici_prune_compress(
+                    g, e, piece.start, piece.numel, threshold, decay, kept, into.payload(i)
+                )
+            if stream is side:
+                count.record_stream(main)  # made on the side stream, read on the caller's
+            counts.append(count)
+        main.wait_stream(side)
         torch.cat(counts, out=into.nnz)
         return kept
     if g.is_cuda:  # no kernels: the unfused path (the reference codec on a GPU)
         return prune_then_encode(g, e, threshold, decay, into)
     return prune_to_wire_reference(g, e, threshold, decay, into)
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """A second stream of ``device``, made once, for every other piece of :func:`prune_to_wire`."""
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    return stream
 
 
 def prune_to_wire_reference(
