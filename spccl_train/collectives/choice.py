@@ -268,7 +268,8 @@ def _pick(
             best = kept
     trial = False
     if tried is not None and best[1] not in _NOT_TRIED:
-        # a trial too must beat the native call by its margin: auto never runs what it predicts slower
+        # a trial too must beat the native call (weighed first) by its margin: auto never runs what
+        # it predicts slower
         native = candidates[0][3] * (1 - NATIVE_MARGIN) if native_weighed else float("inf")
         near = [
             c

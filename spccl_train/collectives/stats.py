@@ -56,8 +56,8 @@ class CollectiveStats:
     exchange_bytes: int = 0
     """Bytes this rank received in the call's count exchanges (a hierarchical call: its steps' too)."""
     trial: bool = False
-    """``auto`` ran this candidate to try it at this density, in place of one predicted slightly
-    faster (:data:`~.choice.TRIAL_MARGIN`)."""
+    """``auto`` ran this candidate to try it at this density, in place of its choice, with which it
+    is near-tied (:data:`~.choice.TRIAL_MARGIN`)."""
 
     @property
     def decode_status(self) -> torch.Tensor | None:
