@@ -224,8 +224,11 @@ def all_reduce(
     )
 
 
+_SUM = dist.ReduceOp.SUM
+
+
 def _check_op(op: object, api: str) -> None:
-    if op != dist.ReduceOp.SUM:
+    if op is not _SUM and op != _SUM:
         raise ValueError(
             f"spccl_train.{api} supports op=ReduceOp.SUM only, got {op!r}; use torch.distributed for others"
         )
@@ -265,19 +268,20 @@ def _call(
         planning_stream = None  # CPU work is ordered by the host
     if config.algorithm == "hierarchical":
         hierarchical.check_request(transport, config, bounds)
-    with torch.no_grad():
-        graphed = _graphable(config, input, output, transport)
-        route = (
-            held.lookup(collective, transport, config, input, output)
-            if bounds is None and encoded is None and planner is transport and not graphed
-            else None
-        )  # fmt: skip
-        ran = None
-        if route is not None and not _local_problems(collective, input, output, transport)[0]:
-            ran = held.run(collective, transport, config, route, input, output, planning_stream)
-        if ran is not None:  # native, unexchanged, on the short path
+    graphed = _graphable(config, input, output, transport)
+    # A call of a shape that went native unexchanged before: the short path, ahead of all else (on
+    # NVLink the host's time up to NCCL's launch is the whole of what it adds to NCCL's call).
+    route = (
+        held.lookup(collective, transport, config, input, output)
+        if bounds is None and encoded is None and planner is transport and not graphed
+        else None
+    )  # fmt: skip
+    if route is not None and _fits(collective, input, output, transport):
+        ran = held.run(collective, transport, config, route, input, output, planning_stream)
+        if ran is not None:
             _local.stats = ran[0]
             return CollectiveWork([output], *ran) if async_op else None
+    with torch.no_grad():
         # ``misfit``: reported by the exchange, so that every rank raises; ``decoded``: the statuses
         # of decoding ``encoded`` into the input up front, for a call that will not send it
         encoded, misfit, decoded = take_encoded(encoded, collective, input, config, transport, planning_stream)
@@ -340,6 +344,15 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     lo_a, lo_b = a.data_ptr(), b.data_ptr()
     return lo_a < lo_b + b.numel() * b.element_size() and lo_b < lo_a + a.numel() * a.element_size()
+
+
+def _fits(collective: str, inp: torch.Tensor, out: torch.Tensor, transport: P2PTransport) -> bool:
+    """Whether a call that found a route (:func:`.held.lookup`) has no local problem. The route's
+    key holds its shapes, element types and device, checked when an earlier call of it made the
+    route; an all-reduce (in place: ``out`` is ``inp``) can then differ only in its layout."""
+    if collective == "all_reduce":
+        return inp.is_contiguous()
+    return not _local_problems(collective, inp, out, transport)[0]
 
 
 def _local_problems(

@@ -159,6 +159,22 @@ class CollectiveConfig:
                 "(None: 'default')"
             )
 
+    def key(self) -> tuple:
+        """Every field in one hashable tuple: equal for two configs that plan alike (thresholds of
+        equal value plan alike whatever their number type), and cheaper than :meth:`fingerprint`
+        (a memo key for this process, not a text to compare across ranks)."""
+        return (
+            self.format,
+            self.algorithm,
+            self.gather_counts,
+            self.thresholds,
+            self.ranks_per_node,
+            self.channels,
+            self.cuda_graphs,
+            self.check_calls,
+            self.cost_model,
+        )
+
     def fingerprint(self) -> str:
         """A canonical text of every field, equal on two ranks iff their configs plan alike."""
         th = self.thresholds

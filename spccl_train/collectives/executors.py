@@ -94,14 +94,16 @@ def execute(run: Execution) -> tuple[Plan | None, int]:
     return EXECUTORS[(run.collective, run.choice.algorithm)](run)
 
 
-def native_collective(collective: str, transport: P2PTransport, x: torch.Tensor, y: torch.Tensor) -> None:
-    """torch.distributed's dense ``collective`` of ``x`` into ``y`` (an all-reduce: ``x`` in place)."""
+def native_collective(
+    collective: str, transport: P2PTransport, x: torch.Tensor, y: torch.Tensor, async_op: bool = False
+) -> dist.Work | None:
+    """torch.distributed's dense ``collective`` of ``x`` into ``y`` (an all-reduce: ``x`` in place);
+    with ``async_op``, its work handle."""
     if collective == "all_gather":
-        all_gather_flat(y, x, group=transport.group)
-    elif collective == "reduce_scatter":
-        reduce_scatter_flat(y, x, group=transport.group)
-    else:
-        dist.all_reduce(x, group=transport.group)
+        return all_gather_flat(y, x, group=transport.group, async_op=async_op)
+    if collective == "reduce_scatter":
+        return reduce_scatter_flat(y, x, group=transport.group, async_op=async_op)
+    return dist.all_reduce(x, group=transport.group, async_op=async_op)
 
 
 def gather_plan(

@@ -75,7 +75,10 @@ def goes_native_unexchanged(
     if not applies(config) or layout is None or request.problems:
         return False
     topology = Topology(transport.world, rpn)
-    return held_now(collective, config, signature(request), layout, request.dtype, request.device, transport, topology)
+    corrections = corrections_of(config, transport)
+    return held_now(
+        collective, config, signature(request), layout, request.dtype, request.device, transport, topology, corrections
+    )
 
 
 def held_now(
@@ -87,6 +90,7 @@ def held_now(
     device: torch.device,
     transport: P2PTransport,
     topology: Topology,
+    corrections: Corrections | None,
     route: Route | None = None,
 ) -> bool:
     """For a call that may go native unexchanged (:func:`goes_native_unexchanged`): whether its
@@ -94,14 +98,14 @@ def held_now(
     (:class:`.state.NativeHolds`: its last exchanged call chose native; this spends one
     call of the hold) or no sparse candidate can win: even its lower bound
     (:meth:`.cost.CostModel.least_sparse`, what any data would cost it at least), corrected by
-    what the group learned, misses native's prediction by :data:`NATIVE_MARGIN`. A ``route``
-    keeps that last verdict while the group's corrections and the exchange protocol stay as they were."""
+    what the group learned (``corrections``: :func:`.context.corrections_of`), misses native's
+    prediction by :data:`NATIVE_MARGIN`. A ``route`` keeps that last verdict while the group's
+    corrections and the exchange protocol stay as they were."""
     state = state_of(transport)
     if signature not in state.checked:
         return False
     if config.format == "dense" or state.holds.take(signature):
         return True
-    corrections = corrections_of(config, transport)
     rounds = exchange_rounds(protocol(transport.world), collective)
     made = (-1 if corrections is None else corrections.revision, rounds)
     if route is not None and route.verdict is not None and route.verdict[0] == made:
@@ -159,8 +163,9 @@ class Route:
 
 def route_key(collective: str, config: CollectiveConfig, rpn: int | None, inp, out) -> tuple:
     """What a call's signature depends on, read from its arguments without checking them (a key
-    of its group's ``routes``)."""
-    return (collective, config.fingerprint(), rpn, inp.numel(), out.numel(), inp.dtype, out.dtype, inp.device)
+    of its group's ``routes``; an all-reduce's ``out`` is its ``inp``)."""
+    key = (collective, config.key(), rpn, inp.numel(), inp.dtype, inp.device)
+    return key if out is inp else key + (out.numel(), out.dtype, out.device)
 
 
 def route_of(
@@ -219,15 +224,16 @@ def run(
     :func:`goes_native_unexchanged` decides, then :func:`native_call` (``None``: the call
     exchanges, on the full path). It skips the request, the layout, the model and topology
     look-ups, the native prediction and, while the group's corrections stand, the model's verdict."""
+    corrections = corrections_of(config, transport)
+    dtype, device = inp.dtype, inp.device
     if not held_now(
-        collective, config, route.signature, route.layout, inp.dtype, inp.device, transport, route.topology, route
+        collective, config, route.signature, route.layout, dtype, device, transport, route.topology, corrections, route
     ):
         return None
-    timer = Span(inp.device)
     if planning_stream is not None:  # the input is ready on the planning stream
-        torch.cuda.current_stream(inp.device).wait_stream(planning_stream)
-    corrections = corrections_of(config, transport)
-    return native_call(collective, transport, route, inp.view(-1), out.view(-1), corrections, timer)
+        torch.cuda.current_stream(device).wait_stream(planning_stream)
+    x, y = (inp, inp) if out is inp else (inp.view(-1), out.view(-1))  # an all-reduce is taken as it is
+    return native_call(collective, transport, route, x, y, corrections, None if x.is_cuda else Span(device))
 
 
 def native_call(
@@ -237,10 +243,19 @@ def native_call(
     x: torch.Tensor,
     y: torch.Tensor,
     corrections: Corrections | None,
-    timer: Span,
+    timer: Span | None,
 ) -> tuple[CollectiveStats, torch.cuda.Event | None]:
-    """The native collective with no exchange (:func:`goes_native_unexchanged`)."""
-    native_collective(collective, transport, x, y)
+    """The native collective with no exchange (:func:`goes_native_unexchanged`), timed by ``timer``
+    (started before the call), or, if ``None``, by a timer started once NCCL's call is launched:
+    its start event, on the current stream ahead of the wait for NCCL's stream, fires when the
+    input is ready, as NCCL's kernel may start, and the host's time to record it is not spent
+    before the launch (on NVLink that time adds to a call of about a millisecond)."""
+    if timer is None:
+        work = native_collective(collective, transport, x, y, async_op=True)
+        timer = Span(x.device)
+        work.wait()  # what a synchronous call does: the current stream waits for NCCL's
+    else:
+        native_collective(collective, transport, x, y)
     event = timer.stop()
     predicted = route.predicted_s
     if corrections is not None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
