@@ -102,9 +102,9 @@ def _job_auto_measured(rank, world, cache_dir):
         stats.predicted_s == best
         or (stats.algorithm == "native" and best >= (1 - NATIVE_MARGIN) * stats.candidates["native/dense"])
         or (stats.algorithm != "native" and stats.predicted_s * (1 - STICKY_MARGIN) <= best)
-        or (stats.trial and stats.predicted_s <= (1 + TRIAL_MARGIN) * best)
+        or (stats.trial and stats.predicted_s <= (1 + TRIAL_MARGIN) / (1 - NATIVE_MARGIN) * best)
     )  # the cheapest; native when no sparse candidate wins clearly; the last sparse one within its
-    # margin; a near-tied one on trial
+    # margin; a near-tied one on trial (near the choice, which may be native kept by its margin)
     return len(calls), sorted(stats.candidates.items()), weighed
 
 
