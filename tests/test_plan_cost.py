@@ -678,8 +678,8 @@ def test_the_group_remembers_what_it_ran_by_collective_size_and_config():
 
 def test_a_near_tied_candidate_not_yet_tried_at_this_density_is_run_instead():
     """``tried``: a sparse candidate within TRIAL_MARGIN of the choice and not among the tried runs
-    instead (a trial); tried, or beyond the margin, it does not; native is never tried, but a
-    native choice is left for a near sparse one; the trial does not change the predictions reported."""
+    instead (a trial); tried, or beyond the margin, it does not; native is tried and left for a
+    trial alike; the trial does not change the predictions reported."""
     import random
 
     from spccl_train.collectives.choice import NATIVE_MARGIN, TRIAL_MARGIN
@@ -705,7 +705,7 @@ def test_a_near_tied_candidate_not_yet_tried_at_this_density_is_run_instead():
     assert weigh(summary, cfg, F32, _model(), factors=outside, tried=frozenset())[0] == best
     # the best untried itself: the near one is still tried first (each of them gets its runs)
     assert weigh(summary, cfg, F32, _model(), factors=inside, tried=frozenset({best.name}))[0].name == other
-    # native: never tried, but left for a near sparse candidate as a sparse choice is
+    # native: tried, and left for a trial, as a sparse candidate is
     auto = CollectiveConfig()
     best, raw = weigh(summary, auto, F32, _model())
     assert best.algorithm != "native", raw
@@ -729,9 +729,16 @@ def test_a_near_tied_candidate_not_yet_tried_at_this_density_is_run_instead():
     far = shaped(1 / (1 + 1.5 * TRIAL_MARGIN))  # native well ahead: nothing near to try
     got = weigh(summary, auto, F32, _model(), factors=far, tried=frozenset())[0]
     assert got.algorithm == "native" and not got.trial, (seed, got)
-    narrow = shaped(1 / 0.85)  # b beats native by 15%; o (1.1 P) is near b: tried
+    narrow = shaped(1 / 0.85)  # b beats native (1.18 P) by 15%; o (1.1 P) and native are near b
     got = weigh(summary, auto, F32, _model(), factors=narrow, tried=frozenset())[0]
-    assert got.name == o and got.trial, (seed, got)
+    assert got.name == o and got.trial, (seed, got)  # the nearer first
+    got = weigh(summary, auto, F32, _model(), factors=narrow, tried=frozenset({o}))[0]
+    assert got.algorithm == "native" and got.trial, (seed, got)
+    got = weigh(summary, auto, F32, _model(), factors=narrow, tried=frozenset({o, "native/dense"}))[0]
+    assert got.name == b and not got.trial, (seed, got)
+    wide = shaped(1 + 1.5 * TRIAL_MARGIN)  # native well behind b: o is tried, native is not
+    got = weigh(summary, auto, F32, _model(), factors=wide, tried=frozenset({o}))[0]
+    assert got.name == b and not got.trial, (seed, got)
     # decide memoises under the tried candidates too
     clear_decisions()
     half = {other: ratio * (1 + 0.5 * TRIAL_MARGIN)}

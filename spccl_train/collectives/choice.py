@@ -16,8 +16,8 @@ rounded to 1/16 of an octave of density and memoised, so calls with the same spa
 (every training step, every benchmark repetition) skip the weighing. All inputs are equal on
 every rank and the decision is a pure function of them, so every rank picks alike.
 
-A sparse candidate predicted within :data:`TRIAL_MARGIN` of the choice (native or sparse) that
-has not been run at the call's density octave is run instead, twice, so that the measured model observes it (a
+A candidate (native or sparse) predicted within :data:`TRIAL_MARGIN` of the choice that has
+not been run at the call's density octave is run instead, twice, so that the measured model observes it (a
 *trial*, :mod:`.feedback`); the group's corrections say which were run, equally on every rank.
 """
 
@@ -135,9 +135,8 @@ def weigh(
     """:func:`choose` from a summary: O(world x channels) array work per candidate. ``prefer``:
     the name of the candidate the group ran last for such a call, which keeps winning unless
     another is predicted more than :data:`STICKY_MARGIN` faster. ``tried``: the candidates run
-    often enough at this density (:meth:`.feedback.Corrections.tried`); a sparse one predicted
-    within :data:`TRIAL_MARGIN` of the choice and not among them is run instead (``None``: no
-    trials)."""
+    often enough at this density (:meth:`.feedback.Corrections.tried`); one predicted within
+    :data:`TRIAL_MARGIN` of the choice and not among them is run instead (``None``: no trials)."""
     native, priced = _price(summary, config, dtype, model, exchanges, rings)
     candidates = _candidates(native, priced)
     if (
@@ -271,7 +270,7 @@ def _pick(
         near = [
             c
             for c in candidates
-            if c[1] not in _NOT_TRIED
+            if c[1] != "hierarchical"
             and c[0] not in tried
             and c[0] != best[0]
             and (c[5] or not native_weighed)
@@ -307,18 +306,24 @@ sparse candidate replaces it when predicted :data:`NATIVE_MARGIN` faster."""
 
 
 TRIAL_MARGIN = 0.25
-"""A sparse candidate predicted within this fraction above the choice (the native call
-included), and not yet run :data:`~.feedback.TRIAL_RUNS` times at the call's density octave, is
-run instead (a trial) until it has been: the model's errors inside :data:`~.feedback.FAR` are never
-corrected, so near-ties can be misordered, and a candidate never run is never observed. 4 ranks as
-4 emulated nodes on one H100, 256 MiB at 99% (2026-11-26): direct/COO was priced 2% above
-direct/Pici and took 0.85x its time. On 2 H100s over NVLink, 1 GiB bf16 at 99.9% (at 27d88b2,
-when a trial had to beat native by :data:`NATIVE_MARGIN`): direct/Pici was priced 0.98x the
-native call, native was held, and direct/Pici took 0.81x its time. A trial costs at most
-:data:`~.feedback.TRIAL_RUNS` calls per candidate, density octave, size class and element type,
-each predicted at most this fraction slower than the choice. The native call and the
-hierarchical one are never tried, and a hierarchical choice is not left for a trial."""
-_NOT_TRIED = ("native", "hierarchical")
+"""A candidate predicted within this fraction above the choice, and not yet run
+:data:`~.feedback.TRIAL_RUNS` times at the call's density octave, is run instead (a trial) until
+it has been: the model's errors inside :data:`~.feedback.FAR` are never corrected, so near-ties can
+be misordered, and a candidate never run is never observed. That holds for the native call too, on
+either side of the tie:
+
+- 4 ranks as 4 emulated nodes on one H100, 256 MiB at 99% (2026-11-26): direct/COO was priced 2%
+  above direct/Pici and took 0.85x its time.
+- 2 H100s over NVLink, 1 GiB bf16 at 99.9% (27d88b2, when native was neither tried nor left for a
+  trial): direct/Pici was priced 0.98x the native call, native was held, and direct/Pici took
+  0.81x its time.
+- The same at 90% (9f449d7, native left for trials but never tried): native, never run at bf16 and
+  1 GiB, was priced from the probe's smaller calls about 1.2x what it took; direct/Pici ran
+  instead, 1.15x native's time.
+
+A trial costs at most :data:`~.feedback.TRIAL_RUNS` calls per candidate, density octave, size
+class and element type, each predicted at most this fraction slower than the choice. The
+hierarchical call is neither tried nor left for a trial (its steps choose their own)."""
 
 
 def _gather_modes(setting: str, fmt: Format) -> tuple[str, ...]:

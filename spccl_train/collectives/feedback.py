@@ -36,7 +36,7 @@ slower than it is stays (4 ranks as 4 emulated nodes on one H100, 256 MiB at 99%
 direct/COO priced at 1.22x its 58.5 ms, a hair above direct/Pici, which ran 68.4 ms, in four
 sittings out of four). So every call counts as a *run* of its kind at its density octave
 (:attr:`~.summary.CountSummary.octave`), and :meth:`Corrections.tried` names the candidates run
-:data:`TRIAL_RUNS` times at the call's octave: a sparse candidate predicted within
+:data:`TRIAL_RUNS` times at the call's octave: a candidate (the native call too) predicted within
 :data:`~.choice.TRIAL_MARGIN` of the choice and not yet tried there is run instead, twice (a
 *trial*: its first observation can be a kind's warm-up), and then weighed on what it was seen to
 take. Trials are bounded: at most two calls per candidate, density octave, size class and element
