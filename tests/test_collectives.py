@@ -465,6 +465,36 @@ def test_native_calls_skip_the_exchange_once_checked(pools):
     assert got[0] == [(1, "table"), (0, ""), (0, ""), (1, "table"), (0, ""), (1, "table"), (1, "table"), (1, "table")]
 
 
+def _job_short_path_on_tensors_that_require_grad(rank, world):
+    """Tensors that require grad (a leaf, and a view of one) through every collective's short path:
+    the calls write them as torch.distributed's own do, with autograd kept out of it."""
+    slow = CodecCost(compress=1e9, decompress=1e9, accumulate=1e9, call_s=1e-2)
+    first = CollectiveConfig(
+        check_calls="first", cost_model=dataclasses.replace(CostModel.default("cpu"), pici=slow, coo=slow)
+    )
+    n, seen = 1000, []
+    for call in range(4):  # exchanged, then the full path leaves its route, then the short path
+        x = torch.full((world * n,), float(rank + 1), requires_grad=True)
+        with torch.no_grad():
+            y = x.clone()
+        spccl_train.all_reduce(x, config=first)
+        gathered = torch.zeros(world * n, requires_grad=True)
+        spccl_train.all_gather_into_tensor(gathered, torch.full((n,), float(rank)), config=first)
+        shard = torch.zeros(world * 2 * n, requires_grad=True)[:n]  # a view of a leaf
+        spccl_train.reduce_scatter_tensor(shard, y, config=first)
+        total = float(world * (world + 1) // 2)
+        assert torch.equal(x.detach(), torch.full((world * n,), total)), call
+        assert torch.equal(gathered.detach(), torch.arange(world).float().repeat_interleave(n)), call
+        assert torch.equal(shard.detach(), torch.full((n,), total)), call
+        seen.append(last_stats().exchanges)
+    return seen
+
+
+def test_the_short_path_takes_tensors_that_require_grad(pools):
+    got = pools(2).run(_job_short_path_on_tensors_that_require_grad)
+    assert got[0] == got[1] == [1, 0, 0, 0], got
+
+
 def _job_native_held(rank, world, seed):
     """``check_calls="first"``: a shape whose exchanged call chose native (dense data: no
     candidate sends anything sparse) runs native unexchanged for 1, 2, 4, ... calls between

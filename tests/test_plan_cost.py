@@ -736,7 +736,7 @@ def test_a_near_tied_candidate_not_yet_tried_at_this_density_is_run_instead():
     assert got.algorithm == "native" and got.trial, (seed, got)
     got = weigh(summary, auto, F32, _model(), factors=narrow, tried=frozenset({o, "native/dense"}))[0]
     assert got.name == b and not got.trial, (seed, got)
-    wide = shaped(1 + 1.5 * TRIAL_MARGIN)  # native well behind b: o is tried, native is not
+    wide = shaped(1 + 1.5 * TRIAL_MARGIN)  # native well behind b, o tried already: nothing left to try
     got = weigh(summary, auto, F32, _model(), factors=wide, tried=frozenset({o}))[0]
     assert got.name == b and not got.trial, (seed, got)
     # decide memoises under the tried candidates too

@@ -277,7 +277,8 @@ def _call(
         else None
     )  # fmt: skip
     if route is not None and _fits(collective, input, output, transport):
-        ran = held.run(collective, transport, config, route, input, output, planning_stream)
+        with torch.no_grad():  # the call writes its output, a tensor that may require grad, as the full path does
+            ran = held.run(collective, transport, config, route, input, output, planning_stream)
         if ran is not None:
             _local.stats = ran[0]
             return CollectiveWork([output], *ran) if async_op else None
@@ -496,7 +497,8 @@ def _run(
         rounds, prefer, tried,
     )  # fmt: skip
     if bounds is None and held.applies(config):  # (a dense config's calls go native before the holds matter)
-        state_of(transport).holds.decided(held.signature(request), choice.algorithm == "native")
+        # a trial holds nothing: its runs come on the next exchanged calls, two per candidate
+        state_of(transport).holds.decided(held.signature(request), choice.algorithm == "native" and not choice.trial)
     if choice.algorithm == "hierarchical":  # auto chose it: the steps exchange and plan on the node subgroups
         chosen = (choice.predicted_s, weighed)
         return decoded_first(

@@ -101,8 +101,8 @@ class NativeHolds:
         return True
 
     def decided(self, signature: Hashable, native: bool) -> None:
-        """An exchanged call of ``signature`` chose: native starts or doubles the hold; anything
-        else ends it."""
+        """An exchanged call of ``signature`` chose: native (not on trial) starts or doubles the
+        hold; anything else ends it."""
         if not native:
             self._holds.pop(signature, None)
             return
