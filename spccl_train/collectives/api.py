@@ -277,7 +277,7 @@ def _call(
         else None
     )  # fmt: skip
     if route is not None and _fits(collective, input, output, transport):
-        with torch.no_grad():  # the call writes its output, a tensor that may require grad, as the full path does
+        with torch.no_grad():  # it writes its output, which may require grad, as the full path does
             ran = held.run(collective, transport, config, route, input, output, planning_stream)
         if ran is not None:
             _local.stats = ran[0]

@@ -17,8 +17,9 @@ rounded to 1/16 of an octave of density and memoised, so calls with the same spa
 every rank and the decision is a pure function of them, so every rank picks alike.
 
 A candidate (native or sparse) predicted within :data:`TRIAL_MARGIN` of the choice that has
-not been run at the call's density octave is run instead, twice, so that the measured model observes it (a
-*trial*, :mod:`.feedback`); the group's corrections say which were run, equally on every rank.
+not been run at the call's density octave is run instead, twice, so that the measured model
+observes it (a *trial*, :mod:`.feedback`); the group's corrections say which were run, equally on
+every rank.
 """
 
 from __future__ import annotations
