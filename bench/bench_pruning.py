@@ -19,7 +19,8 @@ Without a GPU (``--smoke``, kernels in Triton's interpreter) there is no device 
 columns hold the host time.
 Prune to the wire (``wire_*`` columns, the buckets of a ``--world``-rank all-reduce with ``--channels``
 pieces per chunk): ``encode_ms`` is the Pici encoding of every piece of an already pruned gradient
-(what the collective does after the prune pass), ``unfused_ms = prune_ms + encode_ms``, and
+in one launch (:meth:`~spccl_train.collectives.EncodedPieces.encode`: what the collective does after
+the prune pass), ``unfused_ms = prune_ms + encode_ms``, and
 ``fused_ms`` the one pass of :meth:`~spccl_train.pruning.Pruner.prune_to_wire` that reads gradient and
 error once and writes the error and the payloads (``fused_frac_copy`` counts those bytes). Without the
 CUDA kernels the fused column times the torch reference.
@@ -55,7 +56,7 @@ import benchlib  # noqa: E402 (a sibling module: the script's folder is on sys.p
 
 from spccl_train._provenance import git_commit  # noqa: E402
 from spccl_train.collectives import ChunkLayout, EncodedPieces  # noqa: E402
-from spccl_train.formats import compress_into, payload_bytes  # noqa: E402
+from spccl_train.formats import payload_bytes  # noqa: E402
 from spccl_train.pruning import PruneConfig, Pruner, reference  # noqa: E402
 from spccl_train.pruning.prune_ef import prune_error_feedback  # noqa: E402
 from spccl_train.pruning.threshold import sampled_threshold  # noqa: E402
@@ -204,10 +205,7 @@ def main() -> None:
         # the wire: encode the pruned gradient piece by piece (unfused), or prune into the payloads (fused)
         pieces = EncodedPieces.empty(layout, grad.dtype, grad.device)
 
-        def encode(pruned=grad, into=pieces):
-            for i, piece in enumerate(into.pieces):
-                compress_into("pici", pruned, into.payload(i), offset=piece.start, n=piece.numel, check=False)
-
+        encode = functools.partial(pieces.encode, grad)
         encode_host_ms = _time_ms(encode, args.reps, cuda)
         encode_ms = device_timer(encode, encode_host_ms) if device_timer else encode_host_ms
         fresh = torch.randn(n, device=device).to(_DTYPES[grad_name])

@@ -61,10 +61,14 @@ struct LookBack {
 
 inline int64_t look_back_groups(int64_t tiles) { return (tiles + kGroup - 1) / kGroup; }
 
-inline LookBack look_back_state(void* scratch, int64_t tiles) {
+// The state of `tiles` tiles in `groups` groups (a launch's pieces: each piece's groups its own).
+inline LookBack look_back_state(void* scratch, int64_t tiles, int64_t groups) {
   auto* words = static_cast<unsigned long long*>(scratch);
-  const int64_t groups = look_back_groups(tiles);
   return {words, words + tiles, words + tiles + groups, reinterpret_cast<unsigned int*>(words + tiles + 2 * groups)};
+}
+
+inline LookBack look_back_state(void* scratch, int64_t tiles) {
+  return look_back_state(scratch, tiles, look_back_groups(tiles));
 }
 
 // Persistent grid size: as many blocks of `kernel` as fit on the device at once.

@@ -6,6 +6,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <mutex>
+#include <vector>
+
 #include "spccl.h"
 
 namespace spccl {
@@ -41,6 +44,64 @@ void check_bytes(const at::Tensor& t, const char* name, const at::Tensor& like) 
 int64_t tiles_of(int64_t n) { return (n + 4095) / 4096; }
 int64_t pici_metadata(int64_t n) { return 512 * tiles_of(n) + ((4 * (tiles_of(n) + 1) + 15) & ~int64_t(15)); }
 
+// The pieces of a compressor launch, checked against `src` (and `error`, if given) and `out`,
+// with their rows in device memory when there are several (`rows_device` keeps them alive).
+Pieces plan_pieces(const at::Tensor& src, const at::Tensor* error, at::IntArrayRef starts, at::IntArrayRef numels,
+                   const at::Tensor& out, at::IntArrayRef offsets, const at::Tensor& nnz, at::Tensor& rows_device) {
+  const int64_t count = int64_t(starts.size());
+  TORCH_CHECK(numels.size() == starts.size() && offsets.size() == starts.size() + 1, "spccl: ", starts.size(),
+              " starts need as many numels (got ", numels.size(), ") and one offset more (got ", offsets.size(), ")");
+  TORCH_CHECK(nnz.device() == src.device() && nnz.scalar_type() == at::kLong && nnz.dim() == 1 &&
+                  nnz.is_contiguous() && nnz.numel() == count,
+              "spccl: nnz must be a contiguous int64 tensor of ", count, " elements on ", src.device(), ", got ",
+              nnz.scalar_type(), " of ", nnz.numel(), " on ", nnz.device());
+  TORCH_CHECK(offsets.back() <= out.numel(), "spccl: the last payload ends at byte ", offsets.back(), " of out, which holds ",
+              out.numel());
+  std::vector<PiciPiece> pieces(count);
+  for (int64_t i = 0; i < count; ++i) {
+    check_range(src, "src", starts[i], numels[i]);
+    if (error) {
+      check_range(*error, "error", starts[i], numels[i]);
+      TORCH_CHECK(i == 0 || starts[i] >= starts[i - 1] + numels[i - 1], "spccl: piece ", i, " starts at ", starts[i],
+                  ", inside piece ", i - 1, " [", starts[i - 1], ", ", starts[i - 1] + numels[i - 1],
+                  "): pruned pieces must be disjoint and in order (each updates its error)");
+    }
+    const int64_t capacity = offsets[i + 1] - offsets[i];
+    TORCH_CHECK(offsets[i] >= 0 && offsets[i] % 16 == 0, "spccl: payload ", i, " starts at byte ", offsets[i],
+                " of out; payloads start at 16-byte aligned offsets");
+    TORCH_CHECK(capacity >= pici_metadata(numels[i]), "spccl: payload ", i, " holds ", capacity,
+                " bytes, less than the ", pici_metadata(numels[i]), "-byte Pici metadata for n=", numels[i]);
+    pieces[i] = {starts[i], numels[i], offsets[i], capacity};
+  }
+  const int64_t bytes = int64_t(sizeof(PieceRow)) * (count > 0 ? count : 1);
+  auto rows_host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(count > 1));
+  auto* rows = reinterpret_cast<PieceRow*>(rows_host.mutable_data_ptr<uint8_t>());
+  Pieces planned = plan_pici_pieces(pieces.data(), count, int(src.element_size()), error != nullptr, rows);
+  if (count > 1) {  // one piece travels in the launch's arguments
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    TORCH_CHECK(cudaStreamIsCapturing(stream, &capturing) == cudaSuccess, "spccl: cudaStreamIsCapturing failed");
+    if (capturing == cudaStreamCaptureStatusNone) {
+      rows_device = rows_host.to(src.device(), /*non_blocking=*/true);  // torch keeps rows_host until copied
+    } else {
+      // A graph's replays copy the rows again from this host buffer: it is kept for good (a few
+      // bytes per piece, once per capture).
+      static std::mutex lock;
+      static auto* captured = new std::vector<at::Tensor>();  // never destroyed: not at exit either
+      {
+        const std::lock_guard<std::mutex> guard(lock);
+        captured->push_back(rows_host);
+      }
+      rows_device = at::empty({bytes}, src.options().dtype(at::kByte));
+      TORCH_CHECK(cudaMemcpyAsync(rows_device.mutable_data_ptr(), rows_host.const_data_ptr(), bytes,
+                                  cudaMemcpyHostToDevice, stream) == cudaSuccess,
+                  "spccl: copying the pieces' rows failed");
+    }
+    planned.rows = reinterpret_cast<const PieceRow*>(rows_device.const_data_ptr<uint8_t>());
+  }
+  return planned;
+}
+
 at::Tensor pici_compress_cuda(const at::Tensor& src, int64_t offset, int64_t n, at::Tensor& out) {
   check_range(src, "src", offset, n);
   check_bytes(out, "out", src);
@@ -49,17 +110,31 @@ at::Tensor pici_compress_cuda(const at::Tensor& src, int64_t offset, int64_t n, 
               pici_metadata(n), "-byte Pici metadata for n=", n);
   const c10::cuda::CUDAGuard guard(src.device());
   auto nnz = at::empty({1}, src.options().dtype(at::kLong));
-  auto scratch = at::empty({compress_scratch_bytes(tiles_of(n))}, src.options().dtype(at::kByte));
+  auto scratch = at::empty({compress_scratch_bytes(tiles_of(n) > 0 ? tiles_of(n) : 1)}, src.options().dtype(at::kByte));
   pici_compress(static_cast<const uint8_t*>(src.const_data_ptr()) + offset * src.element_size(),
                 int(src.element_size()), n, out.mutable_data_ptr<uint8_t>(), out.numel(), scratch.mutable_data_ptr(),
                 nnz.mutable_data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream());
   return nnz;
 }
 
-at::Tensor pici_prune_compress_cuda(const at::Tensor& grad, at::Tensor& error, int64_t offset, int64_t n,
-                                    const at::Tensor& threshold, double decay, at::Tensor& kept, at::Tensor& out) {
-  check_range(grad, "grad", offset, n);
-  check_range(error, "error", offset, n);
+void pici_compress_pieces_cuda(const at::Tensor& src, at::IntArrayRef starts, at::IntArrayRef numels, at::Tensor& out,
+                               at::IntArrayRef offsets, at::Tensor& nnz) {
+  TORCH_CHECK(src.is_cuda(), "spccl: src must be a CUDA tensor, got ", src.device());
+  check_bytes(out, "out", src);
+  elem_of(src.scalar_type());
+  const c10::cuda::CUDAGuard guard(src.device());
+  at::Tensor rows;
+  const Pieces pieces = plan_pieces(src, nullptr, starts, numels, out, offsets, nnz, rows);
+  auto scratch = at::empty({pieces_scratch_bytes(pieces)}, src.options().dtype(at::kByte));
+  pici_compress_pieces(src.const_data_ptr(), int(src.element_size()), pieces, out.mutable_data_ptr<uint8_t>(),
+                       scratch.mutable_data_ptr(), nnz.mutable_data_ptr<int64_t>(),
+                       c10::cuda::getCurrentCUDAStream());
+}
+
+void pici_prune_compress_pieces_cuda(const at::Tensor& grad, at::Tensor& error, at::IntArrayRef starts,
+                                     at::IntArrayRef numels, const at::Tensor& threshold, double decay,
+                                     at::Tensor& kept, at::Tensor& out, at::IntArrayRef offsets, at::Tensor& nnz) {
+  TORCH_CHECK(grad.is_cuda(), "spccl: grad must be a CUDA tensor, got ", grad.device());
   TORCH_CHECK(error.numel() == grad.numel() && error.device() == grad.device(), "spccl: error buffer of ",
               error.numel(), " elements on ", error.device(), " does not match grad of ", grad.numel(), " on ",
               grad.device());
@@ -68,19 +143,15 @@ at::Tensor pici_prune_compress_cuda(const at::Tensor& grad, at::Tensor& error, i
   TORCH_CHECK(kept.device() == grad.device() && kept.scalar_type() == at::kInt && kept.numel() == 1,
               "spccl: kept must be a one-element int32 tensor on ", grad.device());
   check_bytes(out, "out", grad);
-  TORCH_CHECK(out.numel() >= pici_metadata(n), "spccl: out holds ", out.numel(), " bytes, less than the ",
-              pici_metadata(n), "-byte Pici metadata for n=", n);
   const c10::cuda::CUDAGuard guard(grad.device());
-  auto nnz = at::empty({1}, grad.options().dtype(at::kLong));
-  auto scratch = at::empty({compress_scratch_bytes(tiles_of(n))}, grad.options().dtype(at::kByte));
-  pici_prune_compress(static_cast<const uint8_t*>(grad.const_data_ptr()) + offset * grad.element_size(),
-                      elem_of(grad.scalar_type()),
-                      static_cast<uint8_t*>(error.mutable_data_ptr()) + offset * error.element_size(),
-                      elem_of(error.scalar_type()), n, threshold.const_data_ptr<float>(), float(decay),
-                      reinterpret_cast<unsigned int*>(kept.mutable_data_ptr<int32_t>()),
-                      out.mutable_data_ptr<uint8_t>(), out.numel(), scratch.mutable_data_ptr(),
-                      nnz.mutable_data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream());
-  return nnz;
+  at::Tensor rows;
+  const Pieces pieces = plan_pieces(grad, &error, starts, numels, out, offsets, nnz, rows);
+  auto scratch = at::empty({pieces_scratch_bytes(pieces)}, grad.options().dtype(at::kByte));
+  pici_prune_compress_pieces(grad.const_data_ptr(), elem_of(grad.scalar_type()), error.mutable_data_ptr(),
+                             elem_of(error.scalar_type()), pieces, threshold.const_data_ptr<float>(), float(decay),
+                             reinterpret_cast<unsigned int*>(kept.mutable_data_ptr<int32_t>()),
+                             out.mutable_data_ptr<uint8_t>(), scratch.mutable_data_ptr(),
+                             nnz.mutable_data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream());
 }
 
 at::Tensor coo_compress_cuda(const at::Tensor& src, int64_t offset, int64_t n, at::Tensor& out) {
@@ -173,9 +244,10 @@ TORCH_LIBRARY(spccl, m) {
   m.def("pici_decompress(Tensor payload, int n, Tensor(a!) dst, int offset) -> Tensor");
   m.def("pici_decompress_patch(Tensor payload, int n, Tensor prior, Tensor(a!) dst, int offset) -> Tensor");
   m.def("pici_decompress_accumulate(Tensor payload, int n, ScalarType dtype, Tensor(a!) dst, int offset) -> Tensor");
+  m.def("pici_compress_pieces(Tensor src, int[] starts, int[] numels, Tensor(a!) out, int[] offsets, Tensor(b!) nnz) -> ()");
   m.def(
-      "pici_prune_compress(Tensor grad, Tensor(a!) error, int offset, int n, Tensor threshold, float decay, "
-      "Tensor(b!) kept, Tensor(c!) out) -> Tensor");
+      "pici_prune_compress_pieces(Tensor grad, Tensor(a!) error, int[] starts, int[] numels, Tensor threshold, "
+      "float decay, Tensor(b!) kept, Tensor(c!) out, int[] offsets, Tensor(d!) nnz) -> ()");
   m.def("coo_compress(Tensor src, int offset, int n, Tensor(a!) out) -> Tensor");
   m.def("coo_decompress(Tensor payload, Tensor nnz, int n, Tensor(a!) dst, int offset) -> Tensor");
   m.def(
@@ -188,7 +260,8 @@ TORCH_LIBRARY_IMPL(spccl, CUDA, m) {
   m.impl("pici_decompress", &pici_decompress_cuda);
   m.impl("pici_decompress_patch", &pici_decompress_patch_cuda);
   m.impl("pici_decompress_accumulate", &pici_decompress_accumulate_cuda);
-  m.impl("pici_prune_compress", &pici_prune_compress_cuda);
+  m.impl("pici_compress_pieces", &pici_compress_pieces_cuda);
+  m.impl("pici_prune_compress_pieces", &pici_prune_compress_pieces_cuda);
   m.impl("coo_compress", &coo_compress_cuda);
   m.impl("coo_decompress", &coo_decompress_cuda);
   m.impl("coo_decompress_accumulate", &coo_decompress_accumulate_cuda);

@@ -76,10 +76,72 @@ struct Unit {
   }
 };
 
-template <typename Tile>
+// Where a unit of a launch's pieces lies: its piece's row, which piece, and the unit's index
+// within the piece.
+struct Place {
+  PieceRow row;
+  int64_t piece, local;
+};
+
+// The place of `unit` (counted over all pieces' units), found by the whole warp and returned in
+// every lane: a 32-way search of the rows' first units per step (one step for up to 32 pieces,
+// two for 1024). A piece without units shares its first unit with the next one and is never found.
+__device__ __forceinline__ Place place_of(const Pieces& ps, int64_t unit, int lane) {
+  if (ps.count == 1) return {ps.one, 0, unit};
+  int64_t lo = 0, span = ps.count;
+  while (span > 1) {
+    const int64_t step = (span + 31) / 32, at = lo + lane * step;
+    const bool before = at < lo + span && ps.rows[at].first_unit <= unit;  // true in lane 0
+    const int64_t found = lo + (__popc(__ballot_sync(kFullMask, before)) - 1) * step;
+    span = min(step, lo + span - found);
+    lo = found;
+  }
+  const PieceRow row = ps.rows[lo];
+  return {row, lo, unit - row.first_unit};
+}
+
+// The look-back state of one piece: its own units' words and its own groups.
+__device__ __forceinline__ LookBack look_back_of(const LookBack& all, const PieceRow& row) {
+  return {all.tile + row.first_unit, all.group_sum + row.first_group, all.group_prefix + row.first_group, all.counter};
+}
+
+// A piece's payload: B at the start, then I, then the values (docs/FORMATS.md).
+struct PayloadOffsets {
+  int64_t tiles, index, values;
+  __host__ __device__ explicit PayloadOffsets(int64_t n)
+      : tiles((n + kTile - 1) / kTile), index(512 * tiles), values(512 * tiles + ((4 * (tiles + 1) + 15) & ~int64_t(15))) {}
+};
+
+// Units of a piece of n elements, `unit` tiles each: at least one, so that an empty piece's
+// payload (I = [0] and its padding) and count are written like any other's.
+__host__ __device__ __forceinline__ int64_t piece_units(int64_t n, int64_t unit) {
+  const int64_t units = (PayloadOffsets(n).tiles + unit - 1) / unit;
+  return units > 0 ? units : 1;
+}
+
+// What a block knows of a claimed unit held in slot `slot` of its places (`unit`: its index over
+// all pieces). With one piece (kOne) everything comes from the launch's arguments, and the
+// kernel is the single-range encoder it was before pieces: no shared loads on its look-back's path.
+template <bool kOne>
+__device__ __forceinline__ const PieceRow& row_in(const Pieces& ps, const Place* places, int slot) {
+  if constexpr (kOne) return ps.one;
+  else return places[slot].row;
+}
+template <bool kOne>
+__device__ __forceinline__ int64_t local_in(const Place* places, int slot, int64_t unit) {
+  if constexpr (kOne) return unit;
+  else return places[slot].local;
+}
+
+// One launch encodes every piece of `pieces`: units (Tile::kUnit tiles) are claimed in order
+// from one counter over all pieces' units, and each piece has its own look-back state, so a
+// piece's offsets wait only on its own earlier units. Claims are in order, so a unit's
+// predecessors in its piece are all claimed by running blocks (see look_back). `kOne`: the
+// launch has one piece (pieces.count == 1), so claims need no place.
+template <typename Tile, bool kOne>
 __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kernel(
-    const typename Tile::Source source, int64_t tiles, uint8_t* __restrict__ out, int64_t capacity,
-    int64_t index_offset, int64_t values_offset, const LookBack lb, int64_t* __restrict__ nnz_out) {
+    const typename Tile::Source source, const Pieces pieces, uint8_t* __restrict__ out, const LookBack lb,
+    int64_t* __restrict__ nnz_out) {
   using T = typename Tile::Bits;
   constexpr int U = Tile::kUnit;
   __shared__ __align__(16) T tile_s[U * kTile];
@@ -90,40 +152,63 @@ __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kern
   __shared__ uint32_t count_s[kThreads / 32];
   __shared__ uint32_t total_s[U], prefix_s, next_count_s, arrived_s;
   __shared__ int64_t claim_s[2];
+  // The places of the unit in hand, of the next one, and of the one claimed meanwhile, in turn
+  // (several pieces only).
+  __shared__ Place place_s[kOne ? 1 : 3];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t units = (tiles + U - 1) / U;
-  unsigned long long* bits = reinterpret_cast<unsigned long long*>(out);
-  uint32_t* index = reinterpret_cast<uint32_t*>(out + index_offset);
-  T* values = reinterpret_cast<T*>(out + values_offset);
-  const int64_t value_room = (capacity - values_offset) / int64_t(sizeof(T));
+  const int64_t units = pieces.units;
 
   // Each block holds two claims: the unit it processes and the next one, whose loads are in
   // flight meanwhile. A claimed unit's count is published before the block waits on anything.
-  if (tid == 0) {
-    claim_s[0] = atomicAdd(lb.counter, 1u);
-    claim_s[1] = atomicAdd(lb.counter, 1u);
-    next_count_s = 0;
-    arrived_s = 0;
+  if (warp == 0) {
+    int64_t first = 0, second = 0;
+    if (lane == 0) {
+      first = atomicAdd(lb.counter, 1u);
+      second = atomicAdd(lb.counter, 1u);
+      claim_s[0] = first;
+      claim_s[1] = second;
+      next_count_s = 0;
+      arrived_s = 0;
+    }
+    if constexpr (!kOne) {
+      first = __shfl_sync(kFullMask, first, 0);
+      second = __shfl_sync(kFullMask, second, 0);
+      const Place a = first < units ? place_of(pieces, first, lane) : Place{};
+      const Place b = second < units ? place_of(pieces, second, lane) : Place{};
+      if (lane == 0) {
+        place_s[0] = a;
+        place_s[1] = b;
+      }
+    }
   }
   __syncthreads();
   int64_t unit = claim_s[0], next = claim_s[1];
+  int here = 0, ahead = 1;  // slots of place_s
   Unit<Tile> regs;
   if (unit < units) {
-    regs.load(source, unit);
-    regs.prepare(source, unit);
-    publish_count(regs, unit, lb, count_s);
+    const PieceRow& row = row_in<kOne>(pieces, place_s, here);
+    const int64_t local = local_in<kOne>(place_s, here, unit);
+    const auto src = source.at(row.piece.start, row.piece.n);
+    regs.load(src, local);
+    regs.prepare(src, local);
+    publish_count(regs, local, look_back_of(lb, row), count_s);
   }
 
   // Staged values of the previous unit wait in stage_s for their copy-out, done at the start
   // of the next iteration (alongside phase 1) to save a barrier.
   uint32_t pending = 0;
-  int64_t pending_base = 0;
+  int64_t pending_base = 0, pending_room = 0;
+  T* pending_values = nullptr;
   while (unit < units) {
+    const int spare = 3 - here - ahead;
     regs.store_shared(tile_s);
     __syncthreads();
-    if (next < units) regs.load(source, next);  // in flight while this unit is processed
-    copy_out(stage_s, pending, pending_base, values, value_room);
+    if (next < units) {  // in flight while this unit is processed
+      const PieceRow& row = row_in<kOne>(pieces, place_s, ahead);
+      regs.load(source.at(row.piece.start, row.piece.n), local_in<kOne>(place_s, ahead, next));
+    }
+    copy_out(stage_s, pending, pending_base, pending_values, pending_room);
 
     // Phase 1: thread (column c, quarter g) scans rows 16g..16g+15 of column c of each tile.
     {
@@ -143,6 +228,9 @@ __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kern
     // B, and prefix-sums the column counts with shuffles, each tile's after the unit's earlier ones.
     if (warp == 0) {
       const int c0 = 2 * lane, c1 = c0 + 1;
+      const PieceRow& row = row_in<kOne>(pieces, place_s, here);
+      const int64_t tiles = PayloadOffsets(row.piece.n).tiles, first = local_in<kOne>(place_s, here, unit) * U;
+      unsigned long long* bits = reinterpret_cast<unsigned long long*>(out + row.piece.offset);
       uint32_t before = 0;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -154,8 +242,8 @@ __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kern
         }
         word_s[u][c0] = w0;
         word_s[u][c1] = w1;
-        if (unit * U + u < tiles)
-          reinterpret_cast<ulonglong2*>(bits + (unit * U + u) * kTileRows)[lane] = make_ulonglong2(w0, w1);
+        if (first + u < tiles)
+          reinterpret_cast<ulonglong2*>(bits + (first + u) * kTileRows)[lane] = make_ulonglong2(w0, w1);
         const uint32_t n0 = __popcll(w0), n1 = __popcll(w1);
         const uint32_t inclusive = warp_inclusive_scan(n0 + n1, lane);
         colpre_s[u][c0] = before + inclusive - n0 - n1;
@@ -166,31 +254,43 @@ __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kern
     }
     __syncthreads();
 
-    // Phases 3-4 overlap: warp 0 publishes the next unit's count and looks back for this
-    // unit's offset while warps 1-7 compact; then warp 0 compacts its own share.
+    // Phases 3-4 overlap: warp 0 publishes the next unit's count and looks back for this unit's
+    // offset while warps 1-7 compact; then warp 0 compacts its own share. The unit after next is
+    // claimed meanwhile: by warp 0 after its look-back (one piece), or by warp 1, which finds its
+    // place after its compaction (several).
+    uint32_t ticket = 0;
     if (warp == 0) {
       if (next < units) {
-        regs.prepare(source, next);
-        add_count_and_publish(regs, next, lb, &next_count_s, &arrived_s);
+        const PieceRow& row = row_in<kOne>(pieces, place_s, ahead);
+        const int64_t local = local_in<kOne>(place_s, ahead, next);
+        regs.prepare(source.at(row.piece.start, row.piece.n), local);
+        add_count_and_publish(regs, local, look_back_of(lb, row), &next_count_s, &arrived_s);
       }
-      const uint32_t exclusive = unit == 0 ? 0u : look_back(lb, unit, lane);
+      const PieceRow& row = row_in<kOne>(pieces, place_s, here);
+      const int64_t local = local_in<kOne>(place_s, here, unit);
+      const LookBack mine = look_back_of(lb, row);
+      const uint32_t exclusive = local == 0 ? 0u : look_back(mine, local, lane);
       if (lane == 0) {
-        claim_s[0] = atomicAdd(lb.counter, 1u);
+        if constexpr (kOne) claim_s[0] = atomicAdd(lb.counter, 1u);
+        const PayloadOffsets off(row.piece.n);
+        uint32_t* index = reinterpret_cast<uint32_t*>(out + row.piece.offset + off.index);
         uint32_t inclusive = exclusive;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          if (unit * U + u < tiles) index[unit * U + u] = inclusive;
+          if (local * U + u < off.tiles) index[local * U + u] = inclusive;
           inclusive += total_s[u];
         }
-        publish_prefix(lb, unit, inclusive);
+        publish_prefix(mine, local, inclusive);
         prefix_s = exclusive;
-        if (unit == units - 1) {
-          index[tiles] = inclusive;
+        if (local == piece_units(row.piece.n, U) - 1) {  // the piece's last unit
+          index[off.tiles] = inclusive;
           // Zero the padding after I up to the 16-byte aligned values.
-          for (int64_t i = 4 * (tiles + 1); i < values_offset - index_offset; i += 4) index[i / 4] = 0u;
-          *nnz_out = inclusive;
+          for (int64_t i = 4 * (off.tiles + 1); i < off.values - off.index; i += 4) index[i / 4] = 0u;
+          nnz_out[kOne ? 0 : place_s[here].piece] = inclusive;
         }
       }
+    } else if (!kOne && warp == 1 && lane == 0) {
+      ticket = atomicAdd(lb.counter, 1u);  // waited for only after this warp's compaction
     }
     // Phase 3: compact this thread's column segment of each tile into stage_s (unit-local
     // positions): in a dense tile all 16 rows, loaded at once and stored where marked; else
@@ -219,8 +319,20 @@ __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kern
       }
     }
     if (warp != 0 && next < units) {
-      regs.prepare(source, next);
-      add_count_and_publish(regs, next, lb, &next_count_s, &arrived_s);
+      const PieceRow& row = row_in<kOne>(pieces, place_s, ahead);
+      const int64_t local = local_in<kOne>(place_s, ahead, next);
+      regs.prepare(source.at(row.piece.start, row.piece.n), local);
+      add_count_and_publish(regs, local, look_back_of(lb, row), &next_count_s, &arrived_s);
+    }
+    if constexpr (!kOne) {
+      if (warp == 1) {
+        const int64_t after = __shfl_sync(kFullMask, ticket, 0);
+        if (lane == 0) claim_s[0] = after;
+        if (after < units) {
+          const Place p = place_of(pieces, after, lane);
+          if (lane == 0) place_s[spare] = p;
+        }
+      }
     }
     __syncthreads();
 
@@ -229,10 +341,20 @@ __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kern
 #pragma unroll
     for (int u = 0; u < U; ++u) pending += total_s[u];
     pending_base = prefix_s;
+    {  // where they go: the piece's values, and their room (recomputed: fewer registers held)
+      const PiciPiece& piece = row_in<kOne>(pieces, place_s, here).piece;
+      const int64_t values_at = PayloadOffsets(piece.n).values;
+      pending_values = reinterpret_cast<T*>(out + piece.offset + values_at);
+      pending_room = (piece.capacity - values_at) / int64_t(sizeof(T));
+    }
     unit = next;
     next = after;
+    if constexpr (!kOne) {
+      here = ahead;
+      ahead = spare;
+    }
   }
-  copy_out(stage_s, pending, pending_base, values, value_room);
+  copy_out(stage_s, pending, pending_base, pending_values, pending_room);
 }
 
 // What a decoder does with the destination range.
@@ -710,68 +832,56 @@ __global__ void __launch_bounds__(kThreads, 8) pici_sparse_decode_kernel(
   }
 }
 
-struct PiciOffsets {
-  int64_t tiles, index_offset, values_offset;
-  explicit PiciOffsets(int64_t n)
-      : tiles((n + kTile - 1) / kTile),
-        index_offset(512 * tiles),
-        values_offset(512 * tiles + align16(4 * (tiles + 1))) {}
-};
 
-template <typename Tile>
-void launch_compress(const typename Tile::Source& source, int64_t n, uint8_t* out, int64_t capacity, void* scratch,
+// `kOne` as the kernel's: one piece only (the single-range encoder), or any number.
+template <typename Tile, bool kOne>
+void launch_compress(const typename Tile::Source& source, const Pieces& pieces, uint8_t* out, void* scratch,
                      int64_t* nnz, cudaStream_t stream) {
-  const PiciOffsets off(n);
-  const int64_t units = (off.tiles + Tile::kUnit - 1) / Tile::kUnit;  // the look-back's steps
-  check_cuda(cudaMemsetAsync(scratch, 0, compress_scratch_bytes(units), stream), "cudaMemsetAsync");
-  auto kernel = pici_compress_kernel<Tile>;
-  const int blocks = resident_blocks(kernel, units);
-  kernel<<<blocks, kThreads, 0, stream>>>(source, off.tiles, out, capacity, off.index_offset, off.values_offset,
-                                          look_back_state(scratch, units), nnz);
+  if (pieces.count == 0) return;
+  check_cuda(cudaMemsetAsync(scratch, 0, pieces_scratch_bytes(pieces), stream), "cudaMemsetAsync");
+  auto kernel = pici_compress_kernel<Tile, kOne>;
+  kernel<<<resident_blocks(kernel, pieces.units), kThreads, 0, stream>>>(
+      source, pieces, out, look_back_state(scratch, pieces.units, pieces.groups), nnz);
   check_launch("pici_compress_kernel");
 }
 
 template <typename T>
-void launch_plain_compress(const T* src, int64_t n, uint8_t* out, int64_t capacity, void* scratch, int64_t* nnz,
+void launch_plain_compress(const T* src, const Pieces& pieces, uint8_t* out, void* scratch, int64_t* nnz,
                            cudaStream_t stream) {
-  const bool aligned = reinterpret_cast<uintptr_t>(src) % 16 == 0;
-  launch_compress<PlainTile<T>>({src, n, aligned}, n, out, capacity, scratch, nnz, stream);
+  if (pieces.count == 1) launch_compress<PlainTile<T>, true>({src, 0, false}, pieces, out, scratch, nnz, stream);
+  else launch_compress<PlainTile<T>, false>({src, 0, false}, pieces, out, scratch, nnz, stream);
 }
 
 template <typename G, typename E>
-void launch_prune_compress(const void* grad, void* error, int64_t n, const float* threshold, float decay,
-                           unsigned int* kept, uint8_t* out, int64_t capacity, void* scratch, int64_t* nnz,
-                           cudaStream_t stream) {
+void launch_prune_compress(const void* grad, void* error, const Pieces& pieces, const float* threshold, float decay,
+                           unsigned int* kept, uint8_t* out, void* scratch, int64_t* nnz, cudaStream_t stream) {
   using Tile = PruneTile<G, E>;
-  const bool aligned = reinterpret_cast<uintptr_t>(grad) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(error) % (Tile::kErrorBytes < 16 ? Tile::kErrorBytes : 16) == 0;
   const typename Tile::Source source{static_cast<const typename Tile::Bits*>(grad),
-                                     static_cast<typename Tile::EBits*>(error), n, aligned, threshold, decay, kept};
-  launch_compress<Tile>(source, n, out, capacity, scratch, nnz, stream);
+                                     static_cast<typename Tile::EBits*>(error), 0, false, threshold, decay, kept};
+  launch_compress<Tile, false>(source, pieces, out, scratch, nnz, stream);  // pruning goes by pieces
 }
 
 template <typename G>
-void launch_prune_compress(const void* grad, void* error, Elem error_type, int64_t n, const float* threshold,
-                           float decay, unsigned int* kept, uint8_t* out, int64_t capacity, void* scratch,
+void launch_prune_compress(const void* grad, void* error, Elem error_type, const Pieces& pieces,
+                           const float* threshold, float decay, unsigned int* kept, uint8_t* out, void* scratch,
                            int64_t* nnz, cudaStream_t stream) {
   if (error_type == Elem::kF32) {
-    launch_prune_compress<G, float>(grad, error, n, threshold, decay, kept, out, capacity, scratch, nnz, stream);
+    launch_prune_compress<G, float>(grad, error, pieces, threshold, decay, kept, out, scratch, nnz, stream);
   } else if (error_type == Elem::kBF16) {
-    launch_prune_compress<G, __nv_bfloat16>(grad, error, n, threshold, decay, kept, out, capacity, scratch, nnz,
-                                            stream);
+    launch_prune_compress<G, __nv_bfloat16>(grad, error, pieces, threshold, decay, kept, out, scratch, nnz, stream);
   } else {
-    launch_prune_compress<G, __half>(grad, error, n, threshold, decay, kept, out, capacity, scratch, nnz, stream);
+    launch_prune_compress<G, __half>(grad, error, pieces, threshold, decay, kept, out, scratch, nnz, stream);
   }
 }
 
 template <typename E, int kBlocks, int kMode>
 void launch_column_decode(const uint8_t* payload, int64_t capacity, int64_t n, void* dst, int32_t* status,
                           cudaStream_t stream) {
-  const PiciOffsets off(n);
+  const PayloadOffsets off(n);
   const bool aligned = reinterpret_cast<uintptr_t>(dst) % 16 == 0;
   auto kernel = pici_column_decode_kernel<E, kBlocks, kMode>;
   kernel<<<resident_blocks(kernel, off.tiles), kThreads, 0, stream>>>(
-      payload, capacity, n, off.tiles, off.index_offset, off.values_offset,
+      payload, capacity, n, off.tiles, off.index, off.values,
       static_cast<typename BitsOf<sizeof(E)>::type*>(dst), aligned, status);
   check_launch("pici_column_decode_kernel");
 }
@@ -789,10 +899,10 @@ void launch_overwrite(const uint8_t* payload, int64_t capacity, int64_t n, void*
 template <typename V, typename D>
 void launch_accumulate(const uint8_t* payload, int64_t capacity, int64_t n, void* dst, int32_t* status,
                        cudaStream_t stream) {
-  const PiciOffsets off(n);
+  const PayloadOffsets off(n);
   auto kernel = pici_accumulate_kernel<V, D>;
   kernel<<<resident_blocks(kernel, off.tiles), kThreads, 0, stream>>>(
-      payload, capacity, n, off.tiles, off.index_offset, off.values_offset, static_cast<D*>(dst), status);
+      payload, capacity, n, off.tiles, off.index, off.values, static_cast<D*>(dst), status);
   check_launch("pici_accumulate_kernel");
 }
 
@@ -801,11 +911,11 @@ void launch_accumulate(const uint8_t* payload, int64_t capacity, int64_t n, void
 template <typename V, typename D, int kMode>
 void launch_sparse_decode(const uint8_t* payload, int64_t capacity, int64_t n, void* dst, const uint8_t* prior,
                           int32_t* status, cudaStream_t stream) {
-  const PiciOffsets off(n);
+  const PayloadOffsets off(n);
   auto kernel = pici_sparse_decode_kernel<V, D, kMode>;
   const int64_t blocks = (off.tiles + kThreads / 32 - 1) / (kThreads / 32);  // a warp per tile at most
   kernel<<<resident_blocks(kernel, blocks), kThreads, 0, stream>>>(
-      payload, capacity, n, off.tiles, off.index_offset, off.values_offset, static_cast<D*>(dst), prior, status);
+      payload, capacity, n, off.tiles, off.index, off.values, static_cast<D*>(dst), prior, status);
   check_launch("pici_sparse_decode_kernel");
   if constexpr (kMode == kAccumulate) {
     if constexpr (std::is_same_v<V, D> && sizeof(V) == 2)  // by columns (pici_column_decode_kernel)
@@ -819,39 +929,48 @@ void launch_sparse_decode(const uint8_t* payload, int64_t capacity, int64_t n, v
 
 int64_t compress_scratch_bytes(int64_t tiles) { return 8 * (tiles + 2 * look_back_groups(tiles)) + 8; }
 
-void pici_compress(const void* src, int elem_bytes, int64_t n, uint8_t* out, int64_t capacity,
-                   void* scratch, int64_t* nnz, cudaStream_t stream) {
-  const PiciOffsets off(n);
-  if (n == 0) {
-    // No tiles: the payload is I = [0] and its padding.
-    check_cuda(cudaMemsetAsync(out, 0, off.values_offset, stream), "cudaMemsetAsync");
-    check_cuda(cudaMemsetAsync(nnz, 0, sizeof(int64_t), stream), "cudaMemsetAsync");
-    return;
+int64_t pieces_scratch_bytes(const Pieces& pieces) { return 8 * (pieces.units + 2 * pieces.groups) + 8; }
+
+Pieces plan_pici_pieces(const PiciPiece* pieces, int64_t count, int elem_bytes, bool prune, PieceRow* rows) {
+  const int64_t unit = prune ? 1 : (elem_bytes == 4 ? PlainTile<uint32_t>::kUnit : PlainTile<uint16_t>::kUnit);
+  Pieces all{count, nullptr, {}, 0, 0};
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t units = piece_units(pieces[i].n, unit);
+    rows[i] = {pieces[i], all.units, all.groups};
+    all.units += units;
+    all.groups += look_back_groups(units);
   }
+  if (count == 1) all.one = rows[0];
+  return all;
+}
+
+void pici_compress_pieces(const void* src, int elem_bytes, const Pieces& pieces, uint8_t* out, void* scratch,
+                          int64_t* nnz, cudaStream_t stream) {
   if (elem_bytes == 4) {
-    launch_plain_compress(static_cast<const uint32_t*>(src), n, out, capacity, scratch, nnz, stream);
+    launch_plain_compress(static_cast<const uint32_t*>(src), pieces, out, scratch, nnz, stream);
   } else {
-    launch_plain_compress(static_cast<const uint16_t*>(src), n, out, capacity, scratch, nnz, stream);
+    launch_plain_compress(static_cast<const uint16_t*>(src), pieces, out, scratch, nnz, stream);
   }
 }
 
-void pici_prune_compress(const void* grad, Elem grad_type, void* error, Elem error_type, int64_t n,
-                         const float* threshold, float decay, unsigned int* kept, uint8_t* out, int64_t capacity,
-                         void* scratch, int64_t* nnz, cudaStream_t stream) {
-  if (n == 0) {
-    check_cuda(cudaMemsetAsync(out, 0, PiciOffsets(n).values_offset, stream), "cudaMemsetAsync");
-    check_cuda(cudaMemsetAsync(nnz, 0, sizeof(int64_t), stream), "cudaMemsetAsync");
-    return;
-  }
+void pici_compress(const void* src, int elem_bytes, int64_t n, uint8_t* out, int64_t capacity,
+                   void* scratch, int64_t* nnz, cudaStream_t stream) {
+  const PiciPiece piece{0, n, 0, capacity};
+  PieceRow row;
+  const Pieces pieces = plan_pici_pieces(&piece, 1, elem_bytes, false, &row);
+  pici_compress_pieces(src, elem_bytes, pieces, out, scratch, nnz, stream);
+}
+
+void pici_prune_compress_pieces(const void* grad, Elem grad_type, void* error, Elem error_type, const Pieces& pieces,
+                                const float* threshold, float decay, unsigned int* kept, uint8_t* out,
+                                void* scratch, int64_t* nnz, cudaStream_t stream) {
   if (grad_type == Elem::kF32) {
-    launch_prune_compress<float>(grad, error, error_type, n, threshold, decay, kept, out, capacity, scratch, nnz,
-                                 stream);
+    launch_prune_compress<float>(grad, error, error_type, pieces, threshold, decay, kept, out, scratch, nnz, stream);
   } else if (grad_type == Elem::kBF16) {
-    launch_prune_compress<__nv_bfloat16>(grad, error, error_type, n, threshold, decay, kept, out, capacity, scratch,
-                                         nnz, stream);
+    launch_prune_compress<__nv_bfloat16>(grad, error, error_type, pieces, threshold, decay, kept, out, scratch, nnz,
+                                         stream);
   } else {
-    launch_prune_compress<__half>(grad, error, error_type, n, threshold, decay, kept, out, capacity, scratch, nnz,
-                                  stream);
+    launch_prune_compress<__half>(grad, error, error_type, pieces, threshold, decay, kept, out, scratch, nnz, stream);
   }
 }
 

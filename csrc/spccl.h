@@ -23,19 +23,56 @@ constexpr int kNotAscending = 16; // COO positions not strictly ascending
 // per-group sums and prefixes, the tile counter; common.cuh LookBack).
 int64_t compress_scratch_bytes(int64_t tiles);
 
-// Pici-encode src[0, n) (elem_bytes 4 or 2) into out[0, capacity). Writes nnz to *nnz.
-// `scratch` must hold compress_scratch_bytes(ceil(n / 4096)) bytes; it is cleared here.
+// One range of a Pici compressor launch that encodes several: source elements [start, start + n)
+// into the payload out[offset, offset + capacity).
+struct PiciPiece {
+  int64_t start, n, offset, capacity;
+};
+
+// A piece as the kernel reads it: the range, where its units start among all pieces' units (a
+// unit is the tiles a compressor block takes per step), and where its look-back groups start.
+struct PieceRow {
+  PiciPiece piece;
+  int64_t first_unit, first_group;
+};
+
+// The pieces of one launch: `count` rows, in device memory when count > 1 (`rows`), inline
+// (`one`) when count == 1; `units` and `groups` in all. Rows are in order of first_unit.
+struct Pieces {
+  int64_t count;
+  const PieceRow* rows;
+  PieceRow one;
+  int64_t units, groups;
+};
+
+// Fills rows[0, count) for `pieces` as a compressor of `elem_bytes` elements takes them (`prune`:
+// the pruning compressor) and returns their totals (count and rows left for the caller to place).
+Pieces plan_pici_pieces(const PiciPiece* pieces, int64_t count, int elem_bytes, bool prune, PieceRow* rows);
+
+// Bytes of scratch a launch over `pieces` needs.
+int64_t pieces_scratch_bytes(const Pieces& pieces);
+
+// Pici-encode each of `pieces` of src (elem_bytes 4 or 2) into its payload in `out`, in one
+// launch; writes piece i's nnz to nnz[i] (an empty piece's payload is I = [0] and its padding).
+// `scratch` holds pieces_scratch_bytes(pieces) bytes; it is cleared here.
+void pici_compress_pieces(const void* src, int elem_bytes, const Pieces& pieces, uint8_t* out, void* scratch,
+                          int64_t* nnz, cudaStream_t stream);
+
+// Prune each of `pieces` of grad (grad_type; the pieces' starts index grad and error alike) with
+// leaky error feedback into error (error_type) and Pici-encode the pruned values into the piece's
+// payload, in one launch that never writes grad: v = grad + error (fp32); kept where
+// |v| >= *threshold (a device float): encoded as v rounded to grad_type; error = kept ? 0 : v *
+// decay rounded to error_type. Adds the kept count to *kept and writes piece i's nnz to nnz[i].
+// `scratch` as for pici_compress_pieces.
+void pici_prune_compress_pieces(const void* grad, Elem grad_type, void* error, Elem error_type, const Pieces& pieces,
+                                const float* threshold, float decay, unsigned int* kept, uint8_t* out,
+                                void* scratch, int64_t* nnz, cudaStream_t stream);
+
+// Pici-encode src[0, n) (elem_bytes 4 or 2) into out[0, capacity): pici_compress_pieces of one
+// piece. Writes nnz to *nnz. `scratch` must hold compress_scratch_bytes(max(1, ceil(n / 4096)))
+// bytes; it is cleared here.
 void pici_compress(const void* src, int elem_bytes, int64_t n, uint8_t* out, int64_t capacity,
                    void* scratch, int64_t* nnz, cudaStream_t stream);
-
-// Prune grad[0, n) (grad_type) with leaky error feedback into error[0, n) (error_type) and
-// Pici-encode the pruned values into out[0, capacity), in one pass that never writes grad:
-// v = grad + error (fp32); kept where |v| >= *threshold (a device float): encoded as v rounded to
-// grad_type; error = kept ? 0 : v * decay rounded to error_type. Adds the kept count to *kept
-// and writes nnz to *nnz. `scratch` as for pici_compress.
-void pici_prune_compress(const void* grad, Elem grad_type, void* error, Elem error_type, int64_t n,
-                         const float* threshold, float decay, unsigned int* kept, uint8_t* out, int64_t capacity,
-                         void* scratch, int64_t* nnz, cudaStream_t stream);
 
 // Decode a Pici payload of n elements into dst[0, n): overwrite (value == dst type), or
 // accumulate (dst is `value` or kF32). With `prior` (overwrite only: the bitvectors of a Pici

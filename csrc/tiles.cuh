@@ -6,6 +6,8 @@
 //   prepare(source, tile)  turn what landed into the values to encode (before counting them);
 //   count_nonzero()        this thread's nonzeros of the prepared tile;
 //   store_shared(tile_s)   the prepared values into the block's shared tile.
+// A launch encodes one or more pieces of its source: Source::at(start, n) is the view of piece
+// [start, start + n), whose tiles are numbered from 0.
 #pragma once
 
 #include "common.cuh"
@@ -44,6 +46,9 @@ struct PlainTile {
     const T* src;
     int64_t n;
     bool aligned;
+    __device__ __forceinline__ Source at(int64_t start, int64_t count) const {
+      return {src + start, count, reinterpret_cast<uintptr_t>(src + start) % 16 == 0};
+    }
   };
   TileRegisters<T> regs;
 
@@ -86,6 +91,11 @@ struct PruneTile {
     const float* threshold;
     float decay;
     unsigned int* kept;  // += elements kept
+    __device__ __forceinline__ Source at(int64_t start, int64_t count) const {
+      const bool ok = reinterpret_cast<uintptr_t>(grad + start) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(error + start) % (kErrorBytes < 16 ? kErrorBytes : 16) == 0;
+      return {grad + start, error + start, count, ok, threshold, decay, kept};
+    }
   };
   Regs regs;
   union ErrorVector {

@@ -29,7 +29,8 @@ _log = logging.getLogger(__name__)
 
 _OPS = (
     "pici_compress",
-    "pici_prune_compress",
+    "pici_compress_pieces",
+    "pici_prune_compress_pieces",
     "pici_decompress",
     "pici_decompress_accumulate",
     "pici_decompress_patch",

@@ -23,9 +23,14 @@ def _pici_compress(src, offset, n, out):
     return _nnz_like(src)
 
 
-@torch.library.register_fake("spccl::pici_prune_compress")
-def _pici_prune_compress(grad, error, offset, n, threshold, decay, kept, out):
-    return _nnz_like(grad)
+@torch.library.register_fake("spccl::pici_compress_pieces")
+def _pici_compress_pieces(src, starts, numels, out, offsets, nnz):
+    return None
+
+
+@torch.library.register_fake("spccl::pici_prune_compress_pieces")
+def _pici_prune_compress_pieces(grad, error, starts, numels, threshold, decay, kept, out, offsets, nnz):
+    return None
 
 
 @torch.library.register_fake("spccl::coo_compress")

@@ -16,14 +16,18 @@ What is checked, for float32 / bfloat16 / float16:
   ``check=True``, and never a write outside the destination range;
 - output buffers: one exactly as large as the payload works, a smaller one raises
   :class:`PayloadTooSmallError`, and no byte past ``out`` is ever written;
-- ``torch.library.opcheck`` on each of the seven codec operators (the eighth, ``pici_prune_compress``,
-  in ``test_pruning_wire.py``).
+- many pieces in one launch (``pici_compress_pieces``): each piece's payload and count equal the
+  reference's for that piece alone, for 1 to over 1024 pieces (empty, unaligned, overlapping,
+  exactly sized and too small payloads), and no byte between or after the payloads is written;
+- ``torch.library.opcheck`` on each of the eight codec operators (the ninth,
+  ``pici_prune_compress_pieces``, in ``test_pruning_wire.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import random
 from collections.abc import Callable
 
 import pytest
@@ -695,6 +699,54 @@ def test_too_small_out_raises_and_writes_nothing_past_it(fmt: str, dtype: torch.
 
 
 # ---------------------------------------------------------------------------------------
+# Many pieces in one launch
+
+
+def _random_pieces(n: int, count: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    """``count`` ranges of ``n`` elements: empty, short, a few tiles or long, anywhere (overlaps too)."""
+    starts, numels = [], []
+    for _ in range(count):
+        numel = min(n, rng.choice([0, rng.randrange(1, 4097), rng.randrange(4096, 3 * 4096 + 7), rng.randrange(n + 1)]))
+        starts.append(rng.randrange(n - numel + 1))
+        numels.append(numel)
+    return starts, numels
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("count", [1, 2, 31, 33, 1100])
+def test_compress_pieces_matches_reference_piece_by_piece(dtype: torch.dtype, count: int) -> None:
+    """One launch over ``count`` pieces: piece ``i``'s payload is the reference's for that range
+    alone, with room for any density, exactly its size (rounded up to 16 bytes) or too little
+    (then only its count is compared); the last payload is the too small one where it can be,
+    and nothing past it is written."""
+    seed = _seed()
+    rng, gen = random.Random(seed), _generator(seed)
+    n = rng.choice([1, 4096 * 5 + 3, rng.randrange(1, 1 << 20)])
+    x = _sparse(n, dtype, rng.choice([0.0, 0.5, 0.99, 1.0]), gen)
+    starts, numels = _random_pieces(n, count, rng)
+    expected = [_reference_compress("pici", x, start, numel) for start, numel in zip(starts, numels)]
+    offsets, sizes = [0], []
+    for i, (numel, (_, nnz)) in enumerate(zip(numels, expected)):
+        size = payload_bytes("pici", numel, nnz, dtype)
+        short = max(payload_bytes("pici", numel, 0, dtype), (size - rng.randrange(1, 64)) & ~15)
+        kind = 2 if i == count - 1 else rng.randrange(3)
+        room = (formats.align16(capacity_bytes("pici", numel, dtype)), formats.align16(size), short)[kind]
+        offsets.append(offsets[-1] + room)
+        sizes.append(size)
+    buffer = _poisoned_bytes(offsets[-1] + 256)
+    nnz = torch.full((count,), -1, dtype=torch.int64, device=DEVICE)
+    formats.compress_pieces_into(x, buffer, tuple(starts), tuple(numels), tuple(offsets), nnz)
+    context = f"{_name(dtype)} n={n} pieces={count} seed={seed}"
+    got = nnz.tolist()
+    for i, ((want, want_nnz), numel) in enumerate(zip(expected, numels)):
+        assert got[i] == want_nnz, f"{context}: piece {i} ({starts[i]}, {numel}) counted {got[i]}, not {want_nnz}"
+        if sizes[i] <= offsets[i + 1] - offsets[i]:
+            payload = buffer[offsets[i] : offsets[i] + sizes[i]]
+            _assert_same_payload("pici", payload, want, numel, want_nnz, dtype, f"{context} piece {i}")
+    _assert_tail_intact(buffer, offsets[-1], context)
+
+
+# ---------------------------------------------------------------------------------------
 # Operator registration
 
 
@@ -711,6 +763,16 @@ def test_opcheck_compress(fmt: str, dtype: torch.dtype) -> None:
     x = _sparse(MEDIUM + 8, dtype, 0.5, _generator(_seed()))
     out = torch.empty(capacity_bytes(fmt, MEDIUM, dtype), dtype=torch.uint8, device=DEVICE)
     _opcheck(getattr(torch.ops.spccl, f"{fmt}_compress").default, (x, 5, MEDIUM, out))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_opcheck_compress_pieces(dtype: torch.dtype) -> None:
+    x = _sparse(MEDIUM + 8, dtype, 0.5, _generator(_seed()))
+    room = formats.align16(capacity_bytes("pici", MEDIUM, dtype))
+    out = torch.empty(3 * room, dtype=torch.uint8, device=DEVICE)
+    nnz = torch.empty(3, dtype=torch.int64, device=DEVICE)
+    args = (x, [5, 0, 8], [MEDIUM, 0, MEDIUM], out, [0, room, 2 * room, 3 * room], nnz)
+    torch.library.opcheck(torch.ops.spccl.pici_compress_pieces.default, args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)

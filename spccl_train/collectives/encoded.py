@@ -8,14 +8,13 @@ gradient straight into them, reading the gradient and its error buffer once and 
 pruned dense copy. ``spccl_train.all_reduce(tensor, encoded=...)`` then counts nothing (the
 payloads carry their nonzero counts) and sends the payloads as they are.
 
-Any caller can build one: allocate with :meth:`EncodedPieces.empty`, encode each piece of the data
-into :meth:`EncodedPieces.payload` with :func:`spccl_train.formats.compress_into` and store the
-count it returns in :attr:`EncodedPieces.nnz`::
+Any caller can build one: allocate with :meth:`EncodedPieces.empty` and encode the data into it
+with :meth:`EncodedPieces.encode` (one launch for every piece on CUDA), or write each
+:meth:`EncodedPieces.payload` and its count in :attr:`EncodedPieces.nnz` itself::
 
     layout = ChunkLayout.of("all_reduce", x.numel(), world, channels)
     encoded = EncodedPieces.empty(layout, x.dtype, x.device)
-    for i, piece in enumerate(encoded.pieces):
-        encoded.nnz[i : i + 1].copy_(compress_into("pici", x, encoded.payload(i), offset=piece.start, n=piece.numel))
+    encoded.encode(x)
     spccl_train.all_reduce(out, encoded=encoded)  # out: any tensor of x's size; it receives the sum
 
 Each payload has room for its piece at any density (:func:`~spccl_train.formats.capacity_bytes`):
@@ -32,12 +31,13 @@ them first (:func:`decoded_first`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 
 import torch
 
-from ..formats import Format, capacity_bytes, decompress_into
+from ..formats import Format, capacity_bytes, compress_pieces_into, decompress_into
 from ..formats.layout import align16
 from ..transport import P2PTransport
 from ._wire import StatusSink
@@ -85,6 +85,23 @@ class EncodedPieces:
     def pieces(self) -> list[Span]:
         """Every piece, in payload order."""
         return [piece for chunk in self.layout.pieces for piece in chunk]
+
+    @functools.cached_property
+    def ranges(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(starts, numels)``: every piece's first element and length, in payload order."""
+        pieces = self.pieces
+        return tuple(p.start for p in pieces), tuple(p.numel for p in pieces)
+
+    def encode(self, x: torch.Tensor) -> None:
+        """Encode ``x`` (contiguous, the layout's elements, this dtype and device) into the payloads
+        and their counts into :attr:`nnz`: on CUDA one launch for every piece. No host synchronisation."""
+        reason = self.mismatch(x, self.layout)
+        if reason is None and x.numel() != self.layout.numel:
+            reason = f"encoded payloads are of {self.layout.numel} elements but the tensor has {x.numel()}"
+        if reason is not None:
+            raise ValueError(reason)
+        starts, numels = self.ranges
+        compress_pieces_into(x, self.buffer, starts, numels, self.offsets, self.nnz)
 
     def payload(self, index: int) -> torch.Tensor:
         """Payload ``index`` (piece ``k`` of chunk ``q`` is ``q * channels + k``), with its whole room."""

@@ -20,6 +20,7 @@ __all__ = [
     "CorruptPayloadError",
     "PayloadTooSmallError",
     "compress_into",
+    "compress_pieces_into",
     "decompress_into",
     "raise_for_status",
     "uses_kernels",
@@ -133,6 +134,66 @@ def compress_into(
                 f"{need} bytes (n={n}); allocate capacity_bytes('{fmt.value}', n, dtype) bytes"
             )
     return nnz
+
+
+def compress_pieces_into(
+    src: torch.Tensor,
+    out: torch.Tensor,
+    starts: tuple[int, ...],
+    numels: tuple[int, ...],
+    offsets: tuple[int, ...],
+    nnz: torch.Tensor,
+) -> None:
+    """Pici-encode pieces of ``src`` (flat), piece ``i`` being elements ``[starts[i], starts[i] +
+    numels[i])``, into ``out[offsets[i] : offsets[i + 1]]``, and write its nonzero count to ``nnz[i]``.
+
+    On CUDA one launch encodes every piece (a piece per launch underfills the GPU and costs a
+    launch each: with many ranks, a bucket's pieces are many and small); elsewhere the reference
+    encodes them one by one. ``offsets`` has one entry more than ``starts``; each payload starts at a
+    16-byte aligned offset and holds at least its piece's metadata
+    (``payload_bytes("pici", n, 0, dtype)``); sized ``capacity_bytes("pici", n, dtype)`` it can never
+    overflow, and no byte past it is written. ``nnz`` is an int64 tensor of one count per piece on
+    ``src``'s device. No host synchronisation.
+    """
+    src = _flat("src", src)
+    check_dtype(src.dtype)
+    out = _byte_buffer("out", out)
+    if out.device != src.device or nnz.device != src.device:
+        raise ValueError(f"out ({out.device}) and nnz ({nnz.device}) must be on src's device ({src.device})")
+    if len(numels) != len(starts) or len(offsets) != len(starts) + 1:
+        raise ValueError(
+            f"{len(starts)} starts need as many numels (got {len(numels)}) and one offset more (got {len(offsets)})"
+        )
+    if nnz.dtype != torch.int64 or nnz.numel() != len(starts):
+        raise ValueError(
+            f"nnz must be int64 with one count per piece ({len(starts)}), got {nnz.dtype} of {nnz.numel()}"
+        )
+    _check_pieces(src, out, starts, numels, offsets)
+    if uses_kernels(src):
+        torch.ops.spccl.pici_compress_pieces(src, starts, numels, out, offsets, nnz)
+        return
+    for i, (start, numel) in enumerate(zip(starts, numels)):
+        payload = out[offsets[i] : offsets[i + 1]]
+        nnz[i : i + 1] = compress_into(Format.PICI, src, payload, offset=start, n=numel, check=False)
+
+
+def _check_pieces(
+    src: torch.Tensor, out: torch.Tensor, starts: tuple[int, ...], numels: tuple[int, ...], offsets: tuple[int, ...]
+) -> None:
+    """Every piece inside ``src``, every payload 16-byte aligned, in order, with room for its metadata,
+    inside ``out`` (checked here, so that a bad layout is a ``ValueError`` before any kernel runs)."""
+    if offsets and offsets[-1] > out.numel():
+        raise ValueError(f"the last payload ends at byte {offsets[-1]} but out holds {out.numel()}; allocate more")
+    for i, (start, numel) in enumerate(zip(starts, numels)):
+        _range(f"src (piece {i})", src, start, numel)
+        room, metadata = offsets[i + 1] - offsets[i], payload_bytes(Format.PICI, numel, 0, src.dtype)
+        if offsets[i] < 0 or offsets[i] % 16:
+            raise ValueError(f"payload {i} starts at byte {offsets[i]}; payloads start at 16-byte aligned offsets")
+        if room < metadata:
+            raise PayloadTooSmallError(
+                f"payload {i} has {room} bytes, less than the {metadata}-byte metadata of a pici payload of "
+                f"n={numel}; give it capacity_bytes('pici', n, dtype) bytes"
+            )
 
 
 def decompress_into(
