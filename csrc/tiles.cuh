@@ -5,7 +5,9 @@
 //   load(source, tile)     issue the tile's loads (they land while the block works on another);
 //   prepare(source, tile)  turn what landed into the values to encode (before counting them);
 //   count_nonzero()        this thread's nonzeros of the prepared tile;
-//   store_shared(tile_s)   the prepared values into the block's shared tile.
+//   store_shared(tile_s)   the prepared values into the block's shared tile;
+//   prefetch(source, tile) (static, one thread) start bringing a later tile's bytes into L2,
+//                          where kPrefetch says it pays.
 // A launch encodes one or more pieces of its source: Source::at(start, n) is the view of piece
 // [start, start + n), whose tiles are numbered from 0.
 #pragma once
@@ -18,6 +20,15 @@
 #endif
 
 namespace spccl {
+
+// Start bringing `bytes` (a multiple of 16) from 16-byte aligned `p` into L2, from one thread: the
+// bulk copy engine's prefetch on sm_90 and later, nothing before. The compressor asks for the unit
+// after next, so that its loads, a step later, find L2 instead of memory.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
 
 // Tiles of 16-bit elements a compressor block takes per step (one claim, one look-back, one chain
 // of barriers): 2 give it a 32-bit tile's bytes per step. Measured on H100 (1 GiB bf16, fraction
@@ -42,6 +53,7 @@ struct PlainTile {
   using Bits = T;
   static constexpr int kUnit = sizeof(T) == 2 ? SPCCL_COMPRESS_UNIT_16 : 1;
   static constexpr int kMinBlocks = sizeof(T) == 2 ? SPCCL_COMPRESS_MIN_BLOCKS_16 : SPCCL_COMPRESS_MIN_BLOCKS;
+  static constexpr bool kPrefetch = true;
   struct Source {
     const T* src;
     int64_t n;
@@ -52,6 +64,9 @@ struct PlainTile {
   };
   TileRegisters<T> regs;
 
+  __device__ __forceinline__ static void prefetch(const Source& s, int64_t tile) {
+    if (s.aligned && (tile + 1) * kTile <= s.n) prefetch_l2(s.src + tile * kTile, kTile * sizeof(T));
+  }
   __device__ __forceinline__ void load(const Source& s, int64_t tile) { regs.load(s.src, s.n, tile, s.aligned); }
   __device__ __forceinline__ void prepare(const Source&, int64_t) {}
   __device__ __forceinline__ uint32_t count_nonzero() const { return regs.count_nonzero(); }
@@ -83,6 +98,9 @@ struct PruneTile {
   // Twice the registers of a plain tile in flight: fewer resident blocks than the plain compressor.
   static constexpr int kMinBlocks = SPCCL_PRUNE_MIN_BLOCKS;
   static constexpr int kUnit = 1;
+  // Its step is long (two streams read, one written): its loads land in time; prefetching the
+  // unit after next gained nothing (1 GiB of fp32 with fp32 errors on H100: 1.338 -> 1.348 ms).
+  static constexpr bool kPrefetch = false;
   struct Source {
     const Bits* grad;
     EBits* error;
@@ -106,6 +124,13 @@ struct PruneTile {
 
   __device__ __forceinline__ static int64_t first(int64_t tile, int k) {
     return tile * kTile + int64_t(k * kThreads + threadIdx.x) * kVec;
+  }
+
+  __device__ __forceinline__ static void prefetch(const Source& s, int64_t tile) {
+    if (!s.aligned || (tile + 1) * kTile > s.n) return;
+    prefetch_l2(s.grad + tile * kTile, kTile * sizeof(G));
+    if (reinterpret_cast<uintptr_t>(s.error + tile * kTile) % 16 == 0)
+      prefetch_l2(s.error + tile * kTile, kTile * sizeof(E));
   }
 
   __device__ __forceinline__ void load(const Source& s, int64_t tile) {
