@@ -20,7 +20,7 @@ import torch.distributed as dist
 import spccl_train
 from spccl_train._ext import kernels_available
 from spccl_train.collectives import ChunkLayout, CollectiveConfig, last_stats
-from spccl_train.collectives.chunking import count_nonzero_pieces
+from spccl_train.collectives.chunking import _count_with_encoder, count_nonzero_pieces
 
 from _gpu_ranks import gpu_world, init_gpu_rank  # noqa: I001 (a sibling test module)
 
@@ -35,7 +35,8 @@ EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("aligned, world, channels", [(True, 4, 3), (False, 3, 2), (True, 2, 1)])
 def test_encoder_counts_match_torch(dtype, aligned, world, channels):
-    # on CUDA the counts come from the Pici encoder writing metadata only
+    # on CUDA the counts come from Triton's counter, or (without Triton) from one launch of the
+    # Pici encoder writing metadata only: both are checked
     n = world * (3 * 4096 + 77)
     layout = ChunkLayout.aligned(n, world, channels) if aligned else ChunkLayout.equal(n, world, channels)
     x = torch.randn(n, device="cuda").to(dtype)
@@ -45,6 +46,8 @@ def test_encoder_counts_match_torch(dtype, aligned, world, channels):
     own = layout.chunks[1]
     alone = x[own.start : own.stop].clone()
     assert count_nonzero_pieces(alone, layout, [1], base=own.start).tolist() == expected[channels : 2 * channels]
+    assert _count_with_encoder(x, layout, list(range(world)), 0).tolist() == expected
+    assert _count_with_encoder(alone, layout, [1], own.start).tolist() == expected[channels : 2 * channels]
 
 
 def _finish_rank(rank: int, out_dir: str, failures: list[str]) -> None:
