@@ -210,8 +210,8 @@ class Pruner:
         ``layout``'s pieces (an all-reduce's input, :class:`~spccl_train.collectives.EncodedPieces`)
         instead of into ``grad``; no host synchronisation.
 
-        With the CUDA kernels this is one pass per piece that reads ``grad`` and ``error`` once and
-        writes ``error`` and the payload: ``grad`` is left as it was. Elsewhere the torch reference
+        With the CUDA kernels this is one pass over every piece (one launch) that reads ``grad`` and
+        ``error`` once and writes ``error`` and the payloads: ``grad`` is left as it was. Elsewhere the torch reference
         computes the same bytes (:func:`.wire.prune_to_wire_reference`; on a GPU without the
         kernels, pruning in place then encoding). The payloads, nonzero counts and error buffer
         equal those of :meth:`prune` followed by encoding each piece, bit for bit. No caps: a
