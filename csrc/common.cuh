@@ -48,8 +48,9 @@ inline void check_cuda(cudaError_t err, const char* what) {
 
 inline int64_t align16(int64_t bytes) { return (bytes + 15) & ~int64_t(15); }
 
-// A compressor's look-back state, carved from its scratch (compress_scratch_bytes, cleared
-// before the launch): per tile a status word; per group of kGroup tiles the sum of the counts
+// A compressor's look-back state, carved from its scratch (compress_scratch_bytes or
+// pieces_scratch_bytes, cleared before the launch): per tile a status word; per group of kGroup
+// tiles the sum of the counts
 // published so far with how many tiles it holds ((tiles << 32) | sum, built by atomic adds), and
 // the inclusive prefix at the group's last tile once known; then the counter tiles are claimed from.
 struct LookBack {

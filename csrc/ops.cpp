@@ -44,6 +44,48 @@ void check_bytes(const at::Tensor& t, const char* name, const at::Tensor& like) 
 int64_t tiles_of(int64_t n) { return (n + 4095) / 4096; }
 int64_t pici_metadata(int64_t n) { return 512 * tiles_of(n) + ((4 * (tiles_of(n) + 1) + 15) & ~int64_t(15)); }
 
+// Host rows that a captured graph copies to the device on every replay live as long as the graph:
+// a CUDA user object owns them, and its destructor (which may not call CUDA, so may not free
+// pinned memory) hands them to this list, emptied by the next call outside a capture.
+std::mutex& released_lock() {
+  static auto* lock = new std::mutex();  // never destroyed: a graph may outlive static destruction
+  return *lock;
+}
+std::vector<at::Tensor*>& released_rows() {
+  static auto* rows = new std::vector<at::Tensor*>();
+  return *rows;
+}
+
+void release_rows(void* rows) {
+  const std::lock_guard<std::mutex> guard(released_lock());
+  released_rows().push_back(static_cast<at::Tensor*>(rows));
+}
+
+void free_released_rows() {
+  std::vector<at::Tensor*> rows;
+  {
+    const std::lock_guard<std::mutex> guard(released_lock());
+    rows.swap(released_rows());
+  }
+  for (at::Tensor* t : rows) delete t;
+}
+
+void keep_for_graph(const at::Tensor& rows_host, cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  cudaGraph_t graph = nullptr;
+  TORCH_CHECK(cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph) == cudaSuccess &&
+                  status == cudaStreamCaptureStatusActive && graph != nullptr,
+              "spccl: the stream's capture is not active (invalidated?); the pieces cannot be captured");
+  auto* owned = new at::Tensor(rows_host);
+  cudaUserObject_t object;
+  if (cudaUserObjectCreate(&object, owned, release_rows, 1, cudaUserObjectNoDestructorSync) != cudaSuccess) {
+    delete owned;
+    TORCH_CHECK(false, "spccl: cudaUserObjectCreate failed");
+  }
+  TORCH_CHECK(cudaGraphRetainUserObject(graph, object, 1, cudaGraphUserObjectMove) == cudaSuccess,
+              "spccl: cudaGraphRetainUserObject failed");
+}
+
 // The pieces of a compressor launch, checked against `src` (and `error`, if given) and `out`,
 // with their rows in device memory when there are several (`rows_device` keeps them alive).
 Pieces plan_pieces(const at::Tensor& src, const at::Tensor* error, at::IntArrayRef starts, at::IntArrayRef numels,
@@ -82,16 +124,10 @@ Pieces plan_pieces(const at::Tensor& src, const at::Tensor* error, at::IntArrayR
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     TORCH_CHECK(cudaStreamIsCapturing(stream, &capturing) == cudaSuccess, "spccl: cudaStreamIsCapturing failed");
     if (capturing == cudaStreamCaptureStatusNone) {
+      free_released_rows();
       rows_device = rows_host.to(src.device(), /*non_blocking=*/true);  // torch keeps rows_host until copied
     } else {
-      // A graph's replays copy the rows again from this host buffer: it is kept for good (a few
-      // bytes per piece, once per capture).
-      static std::mutex lock;
-      static auto* captured = new std::vector<at::Tensor>();  // never destroyed: not at exit either
-      {
-        const std::lock_guard<std::mutex> guard(lock);
-        captured->push_back(rows_host);
-      }
+      keep_for_graph(rows_host, stream);
       rows_device = at::empty({bytes}, src.options().dtype(at::kByte));
       TORCH_CHECK(cudaMemcpyAsync(rows_device.mutable_data_ptr(), rows_host.const_data_ptr(), bytes,
                                   cudaMemcpyHostToDevice, stream) == cudaSuccess,

@@ -102,7 +102,7 @@ struct Place {
 
 // The place of `unit` (counted over all pieces' units), found by the whole warp and returned in
 // every lane: a 32-way search of the rows' first units per step (one step for up to 32 pieces,
-// two for 1024). A piece without units shares its first unit with the next one and is never found.
+// two for 1024). Every piece has a unit (piece_units), so the rows' first units increase.
 __device__ __forceinline__ Place place_of(const Pieces& ps, int64_t unit, int lane) {
   if (ps.count == 1) return {ps.one, 0, unit};
   int64_t lo = 0, span = ps.count;
@@ -273,8 +273,8 @@ __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kern
 
     // Phases 3-4 overlap: warp 0 publishes the next unit's count and looks back for this unit's
     // offset while warps 1-7 compact; then warp 0 compacts its own share. The unit after next is
-    // claimed meanwhile: by warp 0 after its look-back (one piece), or by warp 1, which finds its
-    // place after its compaction (several).
+    // claimed meanwhile: by warp 0 after its look-back (kOne), or by warp 1, which finds its
+    // place after its compaction (the kernel for any number of pieces).
     uint32_t ticket = 0;
     if (warp == 0) {
       if (next < units) {
@@ -297,13 +297,13 @@ __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kern
           if (local * U + u < off.tiles) index[local * U + u] = inclusive;
           inclusive += total_s[u];
         }
+        publish_prefix(mine, local, inclusive);  // first: later units' look-backs wait on it
+        prefix_s = exclusive;
         if constexpr (kOne && Tile::kPrefetch) {
           const int64_t after = claim_s[0];
           if (after < units && inclusive - exclusive >= U * kPrefetchMinNnz)
             Unit<Tile>::prefetch(source.at(row.piece.start, row.piece.n), after);
         }
-        publish_prefix(mine, local, inclusive);
-        prefix_s = exclusive;
         if (local == piece_units(row.piece.n, U) - 1) {  // the piece's last unit
           index[off.tiles] = inclusive;
           // Zero the padding after I up to the 16-byte aligned values.

@@ -740,10 +740,25 @@ def test_compress_pieces_matches_reference_piece_by_piece(dtype: torch.dtype, co
     got = nnz.tolist()
     for i, ((want, want_nnz), numel) in enumerate(zip(expected, numels)):
         assert got[i] == want_nnz, f"{context}: piece {i} ({starts[i]}, {numel}) counted {got[i]}, not {want_nnz}"
-        if sizes[i] <= offsets[i + 1] - offsets[i]:
+        room = offsets[i + 1] - offsets[i]
+        if sizes[i] <= room:  # the whole payload, and nothing after it in its room
             payload = buffer[offsets[i] : offsets[i] + sizes[i]]
             _assert_same_payload("pici", payload, want, numel, want_nnz, dtype, f"{context} piece {i}")
+            _assert_tail_intact(buffer[: offsets[i + 1]], offsets[i] + sizes[i], f"{context} piece {i}")
+        else:  # too small: its bitvectors and index whole all the same
+            metadata = payload_bytes("pici", numel, 0, dtype)
+            assert torch.equal(buffer[offsets[i] : offsets[i] + metadata], want[:metadata]), f"{context} piece {i}"
     _assert_tail_intact(buffer, offsets[-1], context)
+
+
+def test_compress_pieces_needs_an_aligned_out() -> None:
+    x = torch.ones(100, device=DEVICE)
+    out = torch.empty(4096, dtype=torch.uint8, device=DEVICE)
+    nnz = torch.empty(1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="need out to start at a 16-byte aligned address"):
+        formats.compress_pieces_into(x, out[1:], (0,), (100,), (0, 1024), nnz)
+    with pytest.raises(ValueError, match="nnz must be a contiguous 1-D int64 tensor"):
+        formats.compress_pieces_into(x, out, (0,), (100,), (0, 1024), nnz.view(1, 1))
 
 
 # ---------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ against the encoder piece by piece. CUDA (with the kernels): ``spccl::pici_prune
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -117,7 +118,7 @@ def test_encode_and_compress_pieces_reject_what_does_not_fit() -> None:
     starts, numels = encoded.ranges
     with pytest.raises(ValueError, match="2 starts need as many numels .got 2. and one offset more .got 2."):
         compress_pieces_into(torch.ones(100), encoded.buffer, starts, numels, encoded.offsets[:2], encoded.nnz)
-    with pytest.raises(ValueError, match="nnz must be int64 with one count per piece"):
+    with pytest.raises(ValueError, match="nnz must be a contiguous 1-D int64 tensor with one count per piece"):
         compress_pieces_into(torch.ones(100), encoded.buffer, starts, numels, encoded.offsets, encoded.nnz[:1])
     x, out, nnz = torch.ones(100), encoded.buffer, encoded.nnz
     with pytest.raises(ValueError, match=r"range \[90, 110\) of src \(piece 1\) is outside its 100 elements"):
@@ -128,6 +129,20 @@ def test_encode_and_compress_pieces_reject_what_does_not_fit() -> None:
         compress_pieces_into(x, out, starts, numels, (0, 16, 640), nnz)
     with pytest.raises(ValueError, match="the last payload ends at byte 99999 but out holds"):
         compress_pieces_into(x, out, starts, numels, (0, 640, 99999), nnz)
+
+
+def test_prune_to_wire_checks_what_the_kernel_trusts() -> None:
+    layout = ChunkLayout.of("all_reduce", 100, 2, 1)
+    into = EncodedPieces.empty(layout, torch.float32, "cpu")
+    g, e, thr = torch.randn(100), torch.zeros(100), torch.tensor([1.0])
+    with pytest.raises(ValueError, match="carry torch.float32 on cpu but the tensor is torch.bfloat16"):
+        prune_to_wire(g.bfloat16(), e, thr, 0.9, into)
+    with pytest.raises(ValueError, match="payloads are of 100 elements but the gradient has 99"):
+        prune_to_wire(g[:99], e[:99], thr, 0.9, into)
+    with pytest.raises(ValueError, match=r"error buffer \(99,\) on cpu does not match the gradient \(100,\)"):
+        prune_to_wire(g, e[:99], thr, 0.9, into)
+    with pytest.raises(ValueError, match="threshold must be one float32"):
+        prune_to_wire(g, e, thr.double(), 0.9, into)
 
 
 def test_prune_to_wire_rejects_a_foreign_layout() -> None:
@@ -236,6 +251,15 @@ def test_cuda_graph_replays_encode_and_prune_to_wire() -> None:
         prune_to_wire_reference(grad, e_ref, threshold.cpu(), 0.9, expected_wire)
         _assert_same(wired, expected_wire, "prune_to_wire replayed")
         assert torch.equal(e.cpu(), e_ref)
+    # the graph owns the host rows its replays copy: gone with it, and eager calls go on
+    del graph
+    gc.collect()
+    torch.cuda.synchronize()
+    x.copy_(torch.randn(n))
+    encoded.encode(x)
+    expected = EncodedPieces.empty(layout, torch.float32, "cpu")
+    expected.encode(x.cpu())
+    _assert_same(encoded, expected, "encode after the graph")
 
 
 @needs_kernels

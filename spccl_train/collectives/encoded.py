@@ -101,7 +101,7 @@ class EncodedPieces:
         if reason is not None:
             raise ValueError(reason)
         starts, numels = self.ranges
-        compress_pieces_into(x, self.buffer, starts, numels, self.offsets, self.nnz)
+        compress_pieces_into(x, self.buffer, starts, numels, self.offsets, self.nnz, validate=False)
 
     def payload(self, index: int) -> torch.Tensor:
         """Payload ``index`` (piece ``k`` of chunk ``q`` is ``q * channels + k``), with its whole room."""

@@ -12,7 +12,7 @@ import torch
 
 from .._ext import kernels_available
 from . import reference
-from .layout import Format, capacity_bytes, check_dtype, check_length, coo_nnz_from_bytes, payload_bytes
+from .layout import TILE, Format, capacity_bytes, check_dtype, check_length, coo_nnz_from_bytes, payload_bytes
 from .reference import STATUS_TEXT, CorruptPayloadError, DecodeStatus, PayloadTooSmallError, check_pici_size
 
 __all__ = [
@@ -143,6 +143,8 @@ def compress_pieces_into(
     numels: tuple[int, ...],
     offsets: tuple[int, ...],
     nnz: torch.Tensor,
+    *,
+    validate: bool = True,
 ) -> None:
     """Pici-encode pieces of ``src`` (flat), piece ``i`` being elements ``[starts[i], starts[i] +
     numels[i])``, into ``out[offsets[i] : offsets[i + 1]]``, and write its nonzero count to ``nnz[i]``.
@@ -150,26 +152,39 @@ def compress_pieces_into(
     On CUDA one launch encodes every piece (a piece per launch underfills the GPU and costs a
     launch each: with many ranks, a bucket's pieces are many and small); elsewhere the reference
     encodes them one by one. ``offsets`` has one entry more than ``starts``; each payload starts at a
-    16-byte aligned offset and holds at least its piece's metadata
-    (``payload_bytes("pici", n, 0, dtype)``); sized ``capacity_bytes("pici", n, dtype)`` it can never
-    overflow, and no byte past it is written. ``nnz`` is an int64 tensor of one count per piece on
-    ``src``'s device. No host synchronisation.
+    16-byte aligned offset (``out`` itself 16-byte aligned for the kernels) and holds at least its
+    piece's metadata (``payload_bytes("pici", n, 0, dtype)``). Sized ``capacity_bytes("pici", n,
+    dtype)`` a payload can never overflow. One with less room than its piece needs: the kernels
+    store the values that fit (no byte past its room) and the exact count; the reference raises
+    :class:`PayloadTooSmallError`. ``nnz`` is a contiguous 1-D int64 tensor of one count per piece
+    on ``src``'s device. No host synchronisation.
+
+    ``validate=False`` skips the checks of each piece (host work in the number of pieces), for a
+    layout that is valid by construction (:meth:`~spccl_train.collectives.EncodedPieces.encode`).
     """
     src = _flat("src", src)
     check_dtype(src.dtype)
     out = _byte_buffer("out", out)
+    if not isinstance(nnz, torch.Tensor):
+        raise TypeError(f"nnz must be a torch.Tensor, got {type(nnz).__name__}")
     if out.device != src.device or nnz.device != src.device:
         raise ValueError(f"out ({out.device}) and nnz ({nnz.device}) must be on src's device ({src.device})")
     if len(numels) != len(starts) or len(offsets) != len(starts) + 1:
         raise ValueError(
             f"{len(starts)} starts need as many numels (got {len(numels)}) and one offset more (got {len(offsets)})"
         )
-    if nnz.dtype != torch.int64 or nnz.numel() != len(starts):
+    if nnz.dtype != torch.int64 or nnz.dim() != 1 or not nnz.is_contiguous() or nnz.numel() != len(starts):
         raise ValueError(
-            f"nnz must be int64 with one count per piece ({len(starts)}), got {nnz.dtype} of {nnz.numel()}"
+            f"nnz must be a contiguous 1-D int64 tensor with one count per piece ({len(starts)}), got "
+            f"{nnz.dtype} of shape {tuple(nnz.shape)}"
         )
-    _check_pieces(src, out, starts, numels, offsets)
+    if validate:
+        _check_pieces(src, out, starts, numels, offsets)
     if uses_kernels(src):
+        if out.data_ptr() % 16:
+            raise ValueError(
+                "the CUDA kernels need out to start at a 16-byte aligned address; slice at multiples of 16"
+            )
         torch.ops.spccl.pici_compress_pieces(src, starts, numels, out, offsets, nnz)
         return
     for i, (start, numel) in enumerate(zip(starts, numels)):
@@ -177,13 +192,19 @@ def compress_pieces_into(
         nnz[i : i + 1] = compress_into(Format.PICI, src, payload, offset=start, n=numel, check=False)
 
 
+_MAX_UNITS = 2**31
+"""Tiles one launch may encode in all: its blocks claim them from a 32-bit counter."""
+
+
 def _check_pieces(
     src: torch.Tensor, out: torch.Tensor, starts: tuple[int, ...], numels: tuple[int, ...], offsets: tuple[int, ...]
 ) -> None:
     """Every piece inside ``src``, every payload 16-byte aligned, in order, with room for its metadata,
-    inside ``out`` (checked here, so that a bad layout is a ``ValueError`` before any kernel runs)."""
+    inside ``out``, and not too many tiles in all (checked here, so that a bad layout is an error
+    before any kernel runs)."""
     if offsets and offsets[-1] > out.numel():
         raise ValueError(f"the last payload ends at byte {offsets[-1]} but out holds {out.numel()}; allocate more")
+    tiles = 0
     for i, (start, numel) in enumerate(zip(starts, numels)):
         _range(f"src (piece {i})", src, start, numel)
         room, metadata = offsets[i + 1] - offsets[i], payload_bytes(Format.PICI, numel, 0, src.dtype)
@@ -194,6 +215,9 @@ def _check_pieces(
                 f"payload {i} has {room} bytes, less than the {metadata}-byte metadata of a pici payload of "
                 f"n={numel}; give it capacity_bytes('pici', n, dtype) bytes"
             )
+        tiles += max(1, -(-numel // TILE))
+    if tiles >= _MAX_UNITS:
+        raise ValueError(f"{len(starts)} pieces of {tiles} tiles in all are too many for one launch; encode fewer")
 
 
 def decompress_into(

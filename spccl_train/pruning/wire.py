@@ -32,7 +32,11 @@ def prune_to_wire(
 ) -> torch.Tensor:
     """Prune flat ``g`` against ``threshold`` into ``into``'s payloads, updating ``e``; returns the
     kept count (a one-element integer tensor on the device). ``g`` is left as it was where the CUDA
-    kernels run; elsewhere it may hold the pruned values (the CPU path leaves it too)."""
+    kernels run; elsewhere it may hold the pruned values (the CPU path leaves it too). ``e`` is
+    ``g``'s error buffer (its shape and device, contiguous), ``threshold`` a one-element float32
+    tensor on the device, ``into`` the payloads of ``g``'s layout and dtype (see
+    :meth:`.Pruner.prune_to_wire`, which makes them)."""
+    _check_wire(g, e, threshold, into)
     if uses_kernels(g):
         kept = torch.zeros(1, dtype=torch.int32, device=g.device)
         starts, numels = into.ranges
@@ -43,6 +47,21 @@ def prune_to_wire(
     if g.is_cuda:  # no kernels: the unfused path (the reference codec on a GPU)
         return prune_then_encode(g, e, threshold, decay, into)
     return prune_to_wire_reference(g, e, threshold, decay, into)
+
+
+def _check_wire(g: torch.Tensor, e: torch.Tensor, threshold: torch.Tensor, into: EncodedPieces) -> None:
+    """What the kernel takes on trust, checked (a mistake is an error here, before it runs)."""
+    reason = into.mismatch(g, into.layout)
+    if reason is None and g.numel() != into.layout.numel:
+        reason = f"encoded payloads are of {into.layout.numel} elements but the gradient has {g.numel()}"
+    if reason is None and (e.shape != g.shape or e.device != g.device or not (g.is_contiguous() and e.is_contiguous())):
+        reason = (
+            f"error buffer {tuple(e.shape)} on {e.device} does not match the gradient {tuple(g.shape)} on {g.device}"
+        )
+    if reason is None and (threshold.numel() != 1 or threshold.dtype != torch.float32 or threshold.device != g.device):
+        reason = f"threshold must be one float32 on {g.device}, got {threshold.dtype} of {threshold.numel()} on {threshold.device}"
+    if reason is not None:
+        raise ValueError(f"prune_to_wire: {reason}")
 
 
 def prune_to_wire_reference(
