@@ -95,9 +95,7 @@ class EncodedPieces:
     def encode(self, x: torch.Tensor) -> None:
         """Encode ``x`` (contiguous, the layout's elements, this dtype and device) into the payloads
         and their counts into :attr:`nnz`: on CUDA one launch for every piece. No host synchronisation."""
-        reason = self.mismatch(x, self.layout)
-        if reason is None and x.numel() != self.layout.numel:
-            reason = f"encoded payloads are of {self.layout.numel} elements but the tensor has {x.numel()}"
+        reason = self.misfit(x)
         if reason is not None:
             raise ValueError(reason)
         starts, numels = self.ranges
@@ -135,6 +133,13 @@ class EncodedPieces:
             )
             if sink is not None:
                 sink.add(status)
+
+    def misfit(self, x: torch.Tensor, name: str = "tensor") -> str | None:
+        """What keeps ``x`` (called ``name``) from being the data these payloads encode (``None``: nothing)."""
+        reason = self.mismatch(x, self.layout)
+        if reason is None and x.numel() != self.layout.numel:
+            reason = f"encoded payloads are of {self.layout.numel} elements but the {name} has {x.numel()}"
+        return reason
 
     def mismatch(self, tensor: torch.Tensor, layout: ChunkLayout) -> str | None:
         """What keeps these payloads from being ``tensor``'s input to an all-reduce cut as

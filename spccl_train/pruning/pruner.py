@@ -237,7 +237,7 @@ class Pruner:
         if n == 0:
             return _nothing_pruned(g.device), into
         threshold = self._threshold(g, e, step, buffer, schedule_step)
-        kept = wire.prune_to_wire(g, e, threshold, self.config.decay, into)
+        kept = wire.prune_into(g, e, threshold, self.config.decay, into)  # g, e and into checked above
         return PruneResult(threshold=threshold, kept=kept, numel=n), into
 
     def _threshold(

@@ -37,6 +37,14 @@ def prune_to_wire(
     tensor on the device, ``into`` the payloads of ``g``'s layout and dtype (see
     :meth:`.Pruner.prune_to_wire`, which makes them)."""
     _check_wire(g, e, threshold, into)
+    return prune_into(g, e, threshold, decay, into)
+
+
+def prune_into(
+    g: torch.Tensor, e: torch.Tensor, threshold: torch.Tensor, decay: float, into: EncodedPieces
+) -> torch.Tensor:
+    """:func:`prune_to_wire` without its checks, for a caller that checked ``g``, ``e`` and the
+    threshold and made ``into`` for them (:meth:`.Pruner.prune_to_wire`): once per bucket and step."""
     if uses_kernels(g):
         kept = torch.zeros(1, dtype=torch.int32, device=g.device)
         starts, numels = into.ranges
@@ -51,9 +59,7 @@ def prune_to_wire(
 
 def _check_wire(g: torch.Tensor, e: torch.Tensor, threshold: torch.Tensor, into: EncodedPieces) -> None:
     """What the kernel takes on trust, checked (a mistake is an error here, before it runs)."""
-    reason = into.mismatch(g, into.layout)
-    if reason is None and g.numel() != into.layout.numel:
-        reason = f"encoded payloads are of {into.layout.numel} elements but the gradient has {g.numel()}"
+    reason = into.misfit(g, "gradient")
     if reason is None and (e.shape != g.shape or e.device != g.device or not (g.is_contiguous() and e.is_contiguous())):
         reason = (
             f"error buffer {tuple(e.shape)} on {e.device} does not match the gradient {tuple(g.shape)} on {g.device}"
