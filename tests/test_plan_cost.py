@@ -18,6 +18,7 @@ from spccl_train.collectives.choice import (
     clear_decisions,
     decide,
     plan_candidate,
+    priced,
     weigh,
     weigh_batch,
 )
@@ -276,7 +277,8 @@ def test_decide_rounds_the_summary_and_agrees_with_weigh_on_it():
     assert (first, weighed) == (best, expected)
     nearby = [[x + 1 for x in row] for row in table]  # same rounded profile: the memo answers
     near = CountSummary.of("all_reduce", nearby, layout, Topology(4))
-    assert decide(cfg, "k", near, F32, model)[0] is first
+    assert priced(cfg, "k", near, F32, model) is priced(cfg, "k", summary, F32, model)
+    assert decide(cfg, "k", near, F32, model) == (first, weighed)
 
 
 def _round_one(x: int, n: int) -> int:

@@ -71,10 +71,9 @@ def direct_reduce_scatter(
     dtype = x.dtype
     own = layout.chunks[rank]
     messages = step.messages
-    sends, receives = messages.columns["src"] == rank, messages.columns["dst"] == rank
-    in_splits, out_splits = _splits(messages, sends, "dst", ch, p), _splits(messages, receives, "src", ch, p)
-    send_waves = _waves(messages, sends, ch, "start", "numel", "format", "nbytes", "dst", "piece")  # dst order
-    recv_waves = _waves(messages, receives, ch, "start", "numel", "format", "nbytes")  # src order: its output
+    in_splits, out_splits, send_waves, recv_waves = messages.derived(
+        ("scatter", rank, ch, p), lambda: _scatter_waves(messages, rank, ch, p)
+    )
     # 16-bit sums gather in float32 and round once per piece: p - 1 additions, one rounding. With
     # one contribution (two ranks) a 16-bit add is that already (the kernels and torch add in
     # float32 and round to nearest even), so the float32 copy of the chunk, in and out, buys nothing
@@ -191,13 +190,9 @@ class _Gather:
     ) -> None:
         rank, p, ch = transport.rank, transport.world, layout.channels
         self._transport, self._out, self._own, self._own_base, self._sink = transport, out, own, own_base, sink
-        # one payload for every receiver (planned on the messages to the right neighbour)
         messages = step.messages
-        cols = messages.columns
-        to_right = (cols["src"] == rank) & (cols["dst"] == (rank + 1) % p)
-        self._mine = _waves(messages, to_right, ch, "start", "numel", "format", "nbytes")
-        self._theirs = _waves(
-            messages, cols["dst"] == rank, ch, "src", "start", "numel", "format", "nbytes", "nnz_bound"
+        self._mine, self._theirs = messages.derived(
+            ("gather", rank, ch, p), lambda: _gather_waves(messages, rank, ch, p)
         )
         self._padded = step.route is Route.ALL_GATHER
         size_of = step.wave_bytes
@@ -251,6 +246,31 @@ class _Gather:
                     prior=held.get((start, numel)) if patch else None,
                 )
                 offsets[src] += nbytes
+
+
+def _scatter_waves(messages: Messages, rank: int, channels: int, world: int) -> tuple:
+    """A direct reduce-scatter's ``(in_splits, out_splits, send_waves, recv_waves)`` for ``rank``:
+    the bytes of each wave's all-to-all by peer, and the messages it sends (in destination order)
+    and receives (in source order: its output's), by wave."""
+    cols = messages.columns
+    sends, receives = cols["src"] == rank, cols["dst"] == rank
+    return (
+        _splits(messages, sends, "dst", channels, world),
+        _splits(messages, receives, "src", channels, world),
+        _waves(messages, sends, channels, "start", "numel", "format", "nbytes", "dst", "piece"),
+        _waves(messages, receives, channels, "start", "numel", "format", "nbytes"),
+    )
+
+
+def _gather_waves(messages: Messages, rank: int, channels: int, world: int) -> tuple:
+    """A direct all-gather's ``(mine, theirs)`` for ``rank``, by wave: the payloads it encodes once
+    for every receiver (planned on its messages to the right neighbour), and the messages it decodes."""
+    cols = messages.columns
+    to_right = (cols["src"] == rank) & (cols["dst"] == (rank + 1) % world)
+    return (
+        _waves(messages, to_right, channels, "start", "numel", "format", "nbytes"),
+        _waves(messages, cols["dst"] == rank, channels, "src", "start", "numel", "format", "nbytes", "nnz_bound"),
+    )
 
 
 def _waves(messages: Messages, mask: np.ndarray, channels: int, *names: str) -> list[list[tuple]]:

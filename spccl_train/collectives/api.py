@@ -3,9 +3,10 @@
 Each call: check the arguments locally; one planning exchange of every rank's call and per-piece
 nonzero counts (the one host synchronisation; an all-reduce that measures its reduced chunks
 adds a second before its gather phase, see ``CollectiveConfig.gather_counts``); pick the
-algorithm and format (``auto``: the cost model, memoised per sparsity profile); compute the
-plan from the exact counts; run it. The result equals the dense sum up to the order of floating-point additions, and
-positions that are zero on every rank stay exactly zero.
+algorithm and format (``auto``: the cost model, priced once per sparsity profile); plan from
+the counts with headroom, reused by later calls whose counts fit (:mod:`.reuse`); run it. The
+result equals the dense sum up to the order of floating-point additions, and positions that are
+zero on every rank stay exactly zero.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..formats import MAX_ELEMENTS, SUPPORTED_DTYPES, Format
 from ..transport import P2PTransport
 from . import held, hierarchical
 from ._wire import StatusSink
-from .choice import Candidate, decide, plan_candidate
+from .choice import Candidate, decide, plan_candidate, priced
 from .chunking import ChunkLayout, count_nonzero_pieces
 from .config import CollectiveConfig
 from .context import corrections_of, model_of, nodes_code, ranks_per_node, transport_of
@@ -50,9 +51,10 @@ from .feedback import Corrections, factor_of
 from .graphs import bounds_from_counts, graph_key, run_graphed
 from .hierarchical import check_hierarchy
 from .plan import Plan
+from .reuse import PlanStore, Reused, headroom, limits_of
 from .state import Memo, state_of
 from .stats import CollectiveStats, CollectiveWork, add_statuses, dense_ring_bytes
-from .summary import CountSummary
+from .summary import CountSummary, table_octave
 from .topology import Topology
 
 __all__ = [
@@ -435,7 +437,7 @@ def _run(
     how, xdev = "", None  # the exchange protocol; none for a call with bounds
     if bounds is not None:  # planned from the caller's bounds: no count, no exchange, no synchronisation
         check_local(request, p, transport.backend)
-        counts = Counts.from_table(collective, check_bounds(bounds, layout, collective), layout, r)
+        counts = Counts.from_table(collective, check_bounds(bounds, layout, collective), layout, r, exact=False)
         if config.gather_counts == "measured" and collective == "all_reduce":
             raise ValueError(
                 "spccl_train.all_reduce: gather_counts='measured' needs a second count exchange, which a call with "
@@ -474,9 +476,12 @@ def _run(
             )  # fmt: skip
         config = dataclasses.replace(config, algorithm="auto")  # (the memo key keeps "hierarchical")
     # the density octave of exchanged counts, where the corrections keep what candidates took and
-    # trials are counted (a call with bounds keeps one plan per bounds table: neither)
-    summary = counts.summary(layout, topology) if bounds is None else None
-    octave = summary.octave if summary is not None and corrections is not None else None
+    # trials are counted (a call with bounds keeps one plan per bounds table: neither). A call that
+    # holds the whole table plans from bounds above it, reused while its counts fit (:mod:`.reuse`)
+    summary = counts.summary(layout, topology) if bounds is None and counts.table is None else None
+    octave = None
+    if corrections is not None and bounds is None:
+        octave = summary.octave if summary is not None else table_octave(collective, counts.table, layout)
     factors = corrections.factors_for(collective, nbytes, inp.dtype, octave) if corrections is not None else None
 
     def learn(timer: Span, choice: Candidate) -> None:  # the call's time, for the next exchange
@@ -492,10 +497,22 @@ def _run(
         prefer = corrections.last_run(collective, nbytes, inp.dtype, fingerprint)
         if octave is not None:
             tried = corrections.tried(collective, nbytes, inp.dtype, octave)
-    choice, weighed, plan, bound_gather = _decide_and_plan(
-        collective, config, key, counts, summary, layout, inp.dtype, topology, r, model, factors, default_group,
-        rounds, prefer, tried,
-    )  # fmt: skip
+    entry = None
+    if summary is not None:  # the scalable exchange: decided and planned from its summary every call
+        choice, weighed, plan, bound_gather = _decide_and_plan(
+            collective, config, key, counts, summary, layout, inp.dtype, topology, r, model, factors, default_group,
+            rounds, prefer, tried,
+        )  # fmt: skip
+    else:  # priced and planned once per bounds, picked every call
+        prices = (config, key, counts, layout, inp.dtype, topology, r, model, default_group)
+        if bounds is None:
+            entry = _reused(collective, *prices, state_of(transport).plans)
+        else:
+            entry = _bounded(collective, *prices)
+        choice, weighed, plan, bound_gather = _pick_and_plan(
+            entry, int(bounds is None), collective, config, layout, inp.dtype, topology, r, model, factors, rounds,
+            prefer, tried,
+        )  # fmt: skip
     if bounds is None and held.applies(config):  # (a dense config's calls go native before the holds matter)
         # a trial holds nothing: its runs come on the next exchanged calls, two per candidate
         state_of(transport).holds.decided(held.signature(request), choice.algorithm == "native" and not choice.trial)
@@ -539,6 +556,7 @@ def _run(
         exchange=how,
         exchange_bytes=received + extra * 8 * p * (1 + layout.channels),
         trial=choice.trial,
+        planned_from=None if entry is None or plan is None else entry.bounds,
     )
     if r == 0 and _log.isEnabledFor(logging.DEBUG):
         _log.debug(
@@ -589,7 +607,7 @@ def _decide_and_plan(
     config: CollectiveConfig,
     key: str,
     counts: Counts,
-    summary: CountSummary | None,
+    summary: CountSummary,
     layout: ChunkLayout,
     dtype: torch.dtype,
     topology: Topology,
@@ -601,49 +619,112 @@ def _decide_and_plan(
     prefer: str | None = None,
     tried: frozenset[str] | None = None,
 ) -> tuple[Candidate, dict[str, float], Plan | None, Plan | None]:
-    """``(choice, predictions, plan, gather plan)``: :func:`~.choice.decide` from the counts'
-    ``summary`` (``prefer``: the candidate the group ran last for such a call,
-    :data:`~.choice.STICKY_MARGIN`; ``tried``: :meth:`.feedback.Corrections.tried`, or ``None``),
-    then this rank's plan of the choice (none for native or hierarchical) and, for an all-reduce
-    sized from bounds, of its gather phase. A call with bounds (``summary`` ``None``: the same
-    bounds every step, a DDP bucket) decides and plans once per bounds table."""
-    bounded = summary is None
-    if bounded:
-        corrected = tuple(sorted(factors.items())) if factors else ()
-        bounded_key = (collective, key, dtype, layout, topology, rank, corrected, prefer, counts.table.tobytes())
-        planned = _bounded_plans.get(bounded_key)
-        if planned is not None:
-            return planned
-        summary = counts.summary(layout, topology)
+    """``(choice, predictions, plan, gather plan)`` of an exchanged call without the whole count
+    table (the scalable protocol): :func:`~.choice.decide` from the counts' ``summary``
+    (``prefer``: the candidate the group ran last for such a call, :data:`~.choice.STICKY_MARGIN`;
+    ``tried``: :meth:`.feedback.Corrections.tried`, or ``None``), then :func:`_plan_choice`."""
     choice, weighed = decide(
-        config,
-        key,
-        summary,
-        dtype,
-        model,
-        0 if bounded else 1,
-        factors,
-        default_group,
-        max(rounds, 1),
-        counts.table is not None,
-        prefer,
-        tried,
+        config, key, summary, dtype, model, 1, factors, default_group, max(rounds, 1), False, prefer, tried
     )
-    if choice.algorithm == "hierarchical":
-        return choice, weighed, None, None
-    plan = plan_candidate(choice, collective, config, counts, layout, dtype, topology, rank)
-    bound_gather = None  # an all-reduce's gather phase sized from the first exchange (or the bounds)
-    if collective == "all_reduce" and plan is not None and choice.gather_counts != "measured":
-        bound_gather = gather_plan(choice, config, counts.reduced_bounds(), layout, dtype, topology, rank)
-    planned = (choice, weighed, plan, bound_gather)
-    if bounded:
-        _bounded_plans.put(bounded_key, planned)
-    return planned
+    return choice, weighed, *_plan_choice(choice, collective, config, counts, layout, dtype, topology, rank)
+
+
+def _bounded(
+    collective: str,
+    config: CollectiveConfig,
+    key: str,
+    counts: Counts,
+    layout: ChunkLayout,
+    dtype: torch.dtype,
+    topology: Topology,
+    rank: int,
+    model: CostModel,
+    default_group: bool,
+) -> Reused:
+    """A call with the caller's bounds (the same every step: a DDP bucket): its candidates priced
+    and its plans, once per bounds table (a pure memo)."""
+    memo_key = (collective, key, dtype, layout, topology, rank, counts.table.tobytes())
+    entry = _bounded_plans.get(memo_key)
+    if entry is None:
+        weighing = priced(config, key, counts.summary(layout, topology), dtype, model, 0, default_group, True)
+        entry = _bounded_plans.put(memo_key, Reused(counts.table, counts, weighing))
+    return entry
 
 
 _bounded_plans = Memo("bounded plans", 64)
-"""Calls with bounds: ``(choice, candidates, plan, gather plan)`` by the call and its bounds table.
-A pure memo (the decision and plans are functions of the key), so forgetting costs only a replan."""
+"""Calls with bounds: the :class:`~.reuse.Reused` of each call and bounds table."""
+
+
+def _reused(
+    collective: str,
+    config: CollectiveConfig,
+    key: str,
+    counts: Counts,
+    layout: ChunkLayout,
+    dtype: torch.dtype,
+    topology: Topology,
+    rank: int,
+    model: CostModel,
+    default_group: bool,
+    store: PlanStore,
+) -> Reused:
+    """An exchanged call that holds the whole count table: priced from the counts, planned from
+    bounds above them; the last ones of this call shape while the counts fit them (:mod:`.reuse`)."""
+    shape = (collective, key, dtype, layout, topology)
+    entry = store.get(shape, counts.table)
+    if entry is None:
+        weighing = priced(config, key, counts.summary(layout, topology), dtype, model, 1, default_group, True)
+        table = headroom(counts.table, limits_of(collective, layout))
+        entry = store.put(shape, Reused(table, Counts.from_table(collective, table, layout, rank, False), weighing))
+    return entry
+
+
+def _pick_and_plan(
+    entry: Reused,
+    exchanges: int,
+    collective: str,
+    config: CollectiveConfig,
+    layout: ChunkLayout,
+    dtype: torch.dtype,
+    topology: Topology,
+    rank: int,
+    model: CostModel,
+    factors: dict[str, float] | None,
+    rounds: int,
+    prefer: str | None,
+    tried: frozenset[str] | None,
+) -> tuple[Candidate, dict[str, float], Plan | None, Plan | None]:
+    """``(choice, predictions, plan, gather plan)`` from priced candidates: the pick (corrections,
+    preference, trials) every call, each choice planned once from the entry's counts."""
+    choice, weighed = entry.weighing.pick(model, exchanges, factors, max(rounds, 1), prefer, tried)
+    which = (choice.algorithm, choice.format, choice.gather_counts)
+    plans = entry.plans.get(which)
+    if plans is None:
+        plans = entry.plans[which] = _plan_choice(
+            choice, collective, config, entry.counts, layout, dtype, topology, rank
+        )
+    return choice, weighed, *plans
+
+
+def _plan_choice(
+    choice: Candidate,
+    collective: str,
+    config: CollectiveConfig,
+    counts: Counts,
+    layout: ChunkLayout,
+    dtype: torch.dtype,
+    topology: Topology,
+    rank: int,
+) -> tuple[Plan | None, Plan | None]:
+    """This rank's plan of ``choice`` (``None`` for native or hierarchical) and, for an all-reduce
+    whose gather phase is sized from the first exchange or the bounds, of its gather phase."""
+    if choice.algorithm == "hierarchical":
+        return None, None
+    plan = plan_candidate(choice, collective, config, counts, layout, dtype, topology, rank)
+    bound_gather = None
+    if collective == "all_reduce" and plan is not None and choice.gather_counts != "measured":
+        bound_gather = gather_plan(choice, config, counts.reduced_bounds(), layout, dtype, topology, rank)
+    return plan, bound_gather
 
 
 def _request(

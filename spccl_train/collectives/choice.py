@@ -11,9 +11,10 @@ the summary's estimate predicts); the cheaper wins.
 
 Candidates are weighed from the count table's :class:`~.summary.CountSummary` (O(world x
 channels) numbers), not from plans, and only the chosen one is planned, for this rank alone
-(:func:`plan_candidate`). :func:`decide` is what a call uses: the choice made from the summary
-rounded to 1/16 of an octave of density and memoised, so calls with the same sparsity profile
-(every training step, every benchmark repetition) skip the weighing. All inputs are equal on
+(:func:`plan_candidate`). :func:`decide` is what a call uses: the candidates priced from the
+summary rounded to 1/16 of an octave of density and memoised (:func:`priced`), so calls with the
+same sparsity profile (every training step, every benchmark repetition) skip the weighing, then
+picked (:meth:`Weighing.pick`: the corrections, the sticky preference, trials). All inputs are equal on
 every rank and the decision is a pure function of them, so every rank picks alike.
 
 A candidate (native or sparse) predicted within :data:`TRIAL_MARGIN` of the choice that has
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -49,6 +50,9 @@ __all__ = [
     "weigh",
     "weigh_batch",
     "decide",
+    "priced",
+    "price",
+    "Weighing",
     "plan_candidate",
     "clear_decisions",
 ]
@@ -138,6 +142,46 @@ def weigh(
     another is predicted more than :data:`STICKY_MARGIN` faster. ``tried``: the candidates run
     often enough at this density (:meth:`.feedback.Corrections.tried`); one predicted within
     :data:`TRIAL_MARGIN` of the choice and not among them is run instead (``None``: no trials)."""
+    return price(summary, config, dtype, model, exchanges, default_group, rings).pick(
+        model, exchanges, factors, rounds, prefer, tried
+    )
+
+
+_Weighed = tuple[str, str, Format, float, str, bool]
+"""A weighed candidate: ``(name, algorithm, format, seconds, gather mode, sends anything sparse)``."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Weighing:
+    """A call's candidates priced from its summary, before what changes from call to call (the
+    corrections, the sticky preference, trials): :meth:`pick` applies those."""
+
+    candidates: tuple[_Weighed, ...]
+    native_weighed: bool
+
+    def pick(
+        self,
+        model: CostModel,
+        exchanges: int = 1,
+        factors: Mapping[str, float] | None = None,
+        rounds: int = 1,
+        prefer: str | None = None,
+        tried: frozenset[str] | None = None,
+    ) -> tuple[Candidate, dict[str, float]]:
+        """The choice and every prediction by name (see :func:`weigh`): O(candidates)."""
+        return _pick(self.candidates, self.native_weighed, model, exchanges, factors, rounds, prefer, tried)
+
+
+def price(
+    summary: CountSummary,
+    config: CollectiveConfig,
+    dtype: torch.dtype,
+    model: CostModel,
+    exchanges: int = 1,
+    default_group: bool = False,
+    rings: bool = True,
+) -> Weighing:
+    """Every candidate of :func:`weigh`, priced: the array work of a decision."""
     native, priced = _price(summary, config, dtype, model, exchanges, rings)
     candidates = _candidates(native, priced)
     if (
@@ -157,7 +201,7 @@ def weigh(
             extra = model.planning(summary.collective, layout.numel, dtype, summary.topology.world, 1)
             fmt = Format.PICI if config.format == "auto" else Format(config.format)
             candidates.append(("hierarchical", "hierarchical", fmt, predicted + extra, "", True))
-    return _pick(candidates, native is not None, model, exchanges, factors, rounds, prefer, tried)
+    return Weighing(tuple(candidates), native is not None)
 
 
 def weigh_batch(
@@ -216,10 +260,6 @@ def _price(
     return native, priced
 
 
-_Weighed = tuple[str, str, Format, float, str, bool]
-"""A weighed candidate: ``(name, algorithm, format, seconds, gather mode, sends anything sparse)``."""
-
-
 def _candidates(native: float | None, priced: list[tuple[str, Format, str, Prediction]]) -> list[_Weighed]:
     """The native candidate first, then per format and algorithm its cheaper gather mode (ties:
     the first, ``"bound"``)."""
@@ -235,7 +275,7 @@ def _candidates(native: float | None, priced: list[tuple[str, Format, str, Predi
 
 
 def _pick(
-    candidates: list[_Weighed],
+    candidates: Sequence[_Weighed],
     native_weighed: bool,
     model: CostModel,
     exchanges: int,
@@ -355,16 +395,30 @@ def decide(
     tried: frozenset[str] | None = None,
 ) -> tuple[Candidate, dict[str, float]]:
     """:func:`weigh` on the summary rounded to 1/16 of an octave of density
-    (:meth:`~.summary.CountSummary.rounded`), memoised: calls with the same sparsity profile (every
-    training step, every benchmark repetition) skip the weighing.
+    (:meth:`~.summary.CountSummary.rounded`), its pricing memoised (:func:`priced`): calls with the
+    same sparsity profile (every training step, every benchmark repetition) only pick."""
+    weighing = priced(config, fingerprint, summary, dtype, model, exchanges, default_group, rings)
+    return weighing.pick(model, exchanges, factors, rounds, prefer, tried)
+
+
+def priced(
+    config: CollectiveConfig,
+    fingerprint: str,
+    summary: CountSummary,
+    dtype: torch.dtype,
+    model: CostModel,
+    exchanges: int = 1,
+    default_group: bool = False,
+    rings: bool = True,
+) -> Weighing:
+    """:func:`price` on the summary rounded to 1/16 of an octave of density, memoised.
 
     ``fingerprint`` is ``config.fingerprint()`` plus anything else the cost model depends on
     (the device type, for the default model, ``default_group``, the exchange protocol). The
-    decision is a pure function of the rounded summary, so ranks agree whatever each rank's memo holds.
+    pricing is a pure function of the rounded summary, so ranks agree whatever each rank's memo holds.
     """
     rounded = summary.rounded(DENSITY_STEPS_PER_OCTAVE)
     layout = summary.layout
-    corrected = tuple(sorted(factors.items())) if factors else ()
     key = (
         summary.collective,
         fingerprint,
@@ -374,18 +428,12 @@ def decide(
         layout.world,
         layout.channels,
         summary.topology,
-        rounds,
         rings,
-        corrected,
-        prefer,
-        tried,
         rounded.key(),
     )
     hit = _decisions.get(key)
     if hit is None:
-        hit = _decisions.put(
-            key, weigh(rounded, config, dtype, model, exchanges, factors, default_group, rounds, rings, prefer, tried)
-        )
+        hit = _decisions.put(key, price(rounded, config, dtype, model, exchanges, default_group, rings))
     return hit
 
 
@@ -406,17 +454,18 @@ def plan_candidate(
     topology: Topology,
     rank: int,
 ) -> Plan | None:
-    """Rank ``rank``'s plan of ``candidate`` from the exact counts it was given (an all-reduce: its
-    reduce-scatter phase): the messages it sends and receives (:mod:`.rank_plan`). A ring needs
-    the whole table (the table protocol)."""
+    """Rank ``rank``'s plan of ``candidate`` from the counts (or bounds: ``counts.exact``) it was
+    given (an all-reduce: its reduce-scatter phase): the messages it sends and receives
+    (:mod:`.rank_plan`). A ring needs the whole table (the table protocol)."""
     if candidate.algorithm == "native":
         return None
     th = config.thresholds.resolve(candidate.format)
     fmt, algorithm = candidate.format, candidate.algorithm
     if collective == "all_gather":
         return plan_all_gather_for(
-            rank, counts.gathered, layout, dtype, fmt=fmt, algorithm=algorithm, threshold=th.ag, topology=topology
-        )
+            rank, counts.gathered, layout, dtype, fmt=fmt, algorithm=algorithm, threshold=th.ag, topology=topology,
+            measured=counts.exact,
+        )  # fmt: skip
     if algorithm == "direct":
         return plan_direct_reduce_scatter_for(
             rank,
@@ -428,6 +477,7 @@ def plan_candidate(
             thresholds=th,
             topology=topology,
             collective=collective,
+            exact=counts.exact,
         )
     if counts.table is None:
         raise ValueError(
@@ -443,4 +493,5 @@ def plan_candidate(
         thresholds=th,
         topology=topology,
         collective=collective,
+        exact=counts.exact,
     )

@@ -275,20 +275,22 @@ class Counts:
     """Scalable all-reduce: per piece index, the expected nonzeros of the reduced pieces, summed over chunks."""
     held_sum: int = 0
     """Scalable: every rank's nonzeros, summed."""
+    exact: bool = True
+    """The counts are measured; ``False``: they are bounds (a caller's, or :mod:`.reuse`'s)."""
 
     @classmethod
-    def from_table(cls, collective: str, table: object, layout: ChunkLayout, rank: int) -> Counts:
-        """A whole table's counts as this rank sees them (the table protocol, or a caller's bounds)."""
+    def from_table(cls, collective: str, table: object, layout: ChunkLayout, rank: int, exact: bool = True) -> Counts:
+        """A whole table's counts as this rank sees them (the table protocol, or bounds: not ``exact``)."""
         p, ch = layout.world, layout.channels
         full = np.asarray(table, dtype=np.int64).reshape(p, -1)
         if collective == "all_gather":
             own = full[:, :ch]
-            return cls(collective, own[rank : rank + 1], None, own, full)
+            return cls(collective, own[rank : rank + 1], None, own, full, exact=exact)
         cube = full[:, : p * ch].reshape(p, p, ch)
         bound = None
         if collective == "all_reduce":
             bound = np.minimum(piece_arrays(layout)[0], cube.sum(0))
-        return cls(collective, cube[rank], cube[:, rank], bound, full)
+        return cls(collective, cube[rank], cube[:, rank], bound, full, exact=exact)
 
     def summary(self, layout: ChunkLayout, topology: Topology) -> CountSummary:
         """The summary ``auto`` weighs: the table's (:meth:`CountSummary.of`), or under the scalable

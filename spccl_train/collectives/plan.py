@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -156,13 +156,14 @@ class Messages:
     otherwise: ``len``, iteration, indexing, and equality with any sequence of messages.
     """
 
-    __slots__ = ("columns", "_lists", "_rows")
+    __slots__ = ("columns", "_lists", "_rows", "_derived")
 
     def __init__(self, columns: dict[str, np.ndarray], rows: tuple[Message, ...] | None = None) -> None:
         self.columns = columns
         """``columns[field]``: the field of every message, in message order."""
         self._lists: dict[str, list] = {}
         self._rows = rows
+        self._derived: dict[Hashable, object] = {}
 
     @classmethod
     def of(cls, rows: Sequence[Message]) -> Messages:
@@ -215,6 +216,14 @@ class Messages:
                 values = self._lists[name] = self.columns[name].tolist()
             out.append(values)
         return tuple(out)
+
+    def derived(self, key: Hashable, make: Callable[[], object]) -> object:
+        """``make()``, made once per ``key``: what an executor derives from the messages (its waves
+        and splits), kept with them, so that a reused plan (:mod:`.reuse`) is prepared once."""
+        value = self._derived.get(key)
+        if value is None:
+            value = self._derived[key] = make()
+        return value
 
     def where(self, mask: np.ndarray) -> Messages:
         """The messages where ``mask`` holds, in order."""

@@ -124,9 +124,11 @@ def plan_reduce_scatter_for(
     thresholds: ResolvedThresholds,
     topology: Topology,
     collective: str = "reduce_scatter",
+    exact: bool = True,
 ) -> Plan:
     """Rank ``rank``'s part of :func:`~.plan.plan_reduce_scatter`'s plan (every message it sends or
-    receives, in the reference's order); ``table`` as there, nested sequences or an array."""
+    receives, in the reference's order); ``table`` as there, nested sequences or an array.
+    ``exact``: the table holds counts, not bounds (what messages report as ``nnz_exact``)."""
     p, ch = layout.world, layout.channels
     cube = np.asarray(table, dtype=np.int64).reshape(p, -1)[:, : p * ch].reshape(p, p, ch)
     if algorithm == "direct":
@@ -140,11 +142,12 @@ def plan_reduce_scatter_for(
             thresholds=thresholds,
             topology=topology,
             collective=collective,
+            exact=exact,
         )
     if algorithm != "ring":
         raise ValueError(f"algorithm={algorithm!r} must be 'ring' or 'direct' to plan")
     n, start = piece_arrays(layout)
-    steps = _ring_reduce_scatter(rank, cube, n, start, dtype, fmt, thresholds, topology)
+    steps = _ring_reduce_scatter(rank, cube, n, start, dtype, fmt, thresholds, topology, exact)
     return Plan(collective, algorithm, fmt, dtype, layout, topology, steps, rank)
 
 
@@ -159,10 +162,11 @@ def plan_direct_reduce_scatter_for(
     thresholds: ResolvedThresholds,
     topology: Topology,
     collective: str = "reduce_scatter",
+    exact: bool = True,
 ) -> Plan:
     """Rank ``rank``'s direct reduce-scatter from what it holds and what it receives alone:
     ``row[c, k]``, its own count of piece ``k`` of chunk ``c``, and ``column[q, k]``, rank ``q``'s
-    count of piece ``k`` of this rank's chunk. O(world x channels)."""
+    count of piece ``k`` of this rank's chunk (``exact``: counts; else bounds). O(world x channels)."""
     p = layout.world
     if p == 1:
         return Plan(collective, "direct", fmt, dtype, layout, topology, (), rank)
@@ -170,7 +174,7 @@ def plan_direct_reduce_scatter_for(
     count = np.concatenate([np.ravel(row), np.ravel(column)])[geo.counted]
     tau = np.where(geo.inter, thresholds.inter, thresholds.intra)
     sigma = 1.0 - count / geo.n  # sparsities(): every piece here has elements
-    exact = np.ones(len(count), dtype=bool)
+    exact = np.full(len(count), exact)
     sized = _packed_sizes(fmt, element_size(dtype), geo.n, geo.meta, count, sigma, tau)
     messages = _direct_messages(fmt, dtype, geo, count, exact, sigma, tau, sized)
     step = Step(Phase.REDUCE_SCATTER, 0, Route.ALL_TO_ALL, messages)
@@ -237,7 +241,7 @@ def _direct_geometry(rank: int, layout: ChunkLayout, topology: Topology, gather:
     return fields
 
 
-def _ring_reduce_scatter(rank, cube, n, start, dtype, fmt, th, topo) -> tuple[Step, ...]:
+def _ring_reduce_scatter(rank, cube, n, start, dtype, fmt, th, topo, exact=True) -> tuple[Step, ...]:
     # The schedule is _ring.ring_chunk's: the piece of chunk c sent at step s carries the
     # contributions of ranks c + 1, ..., q (s + 1 of them, in ring order).
     p, ch = n.shape
@@ -251,7 +255,7 @@ def _ring_reduce_scatter(rank, cube, n, start, dtype, fmt, th, topo) -> tuple[St
     nn = n[:, None, :]
     bound = np.minimum(nn, np.cumsum(held, axis=1))
     sigma = np.cumprod(sparsities(nn, held), axis=1)  # the reference's running product, in its order
-    exact = np.cumsum(held > 0, axis=1) <= 1
+    exact = (np.cumsum(held > 0, axis=1) <= 1) & exact
     return _ring_steps(
         Phase.REDUCE_SCATTER,
         rank,

@@ -10,6 +10,7 @@ here would outlive ``destroy_process_group``, and its backend's threads the inte
 - the call shapes an exchange has checked on every rank (``check_calls="first"``), those whose
   exchanged calls chose the native collective (:class:`NativeHolds`), and what a held call of
   each needs (its route);
+- the bounds, decision and plans its exchanged calls last ran, by call shape (:mod:`.reuse`);
 - the subgroups of its hierarchical collectives (:mod:`.hierarchical`).
 
 Every rank of a group changes its state alike (the same calls, the same exchanged figures), so the
@@ -34,6 +35,7 @@ import torch.distributed as dist
 
 from ..transport import P2PTransport
 from .feedback import Corrections
+from .reuse import PlanStore
 
 __all__ = ["GroupState", "Memo", "NativeHolds", "clear_memos", "group_state", "live_states", "state_of"]
 
@@ -117,7 +119,8 @@ class GroupState:
     """One process group's state (see the module's text)."""
 
     __slots__ = (
-        "transport", "nodes", "measured", "corrections", "checked", "holds", "routes", "subgroups", "__weakref__"
+        "transport", "nodes", "measured", "corrections", "checked", "holds", "routes", "plans", "subgroups",
+        "__weakref__",
     )  # fmt: skip
 
     def __init__(self, transport: P2PTransport) -> None:
@@ -134,6 +137,8 @@ class GroupState:
         self.routes: dict[tuple, object] = {}
         """What a call shape that ran native without an exchange needs for its next such call,
         by its key (``held.Route``, at most 256; made from the measured model, so forgotten with it)."""
+        self.plans = PlanStore()
+        """Exchanged calls' last bounds, decisions and plans, by call shape (:mod:`.reuse`)."""
         self.subgroups: dict[int, tuple] = {}
         """``{ranks_per_node: (intra, inter)}``: this rank's node and cross-node subgroups."""
 

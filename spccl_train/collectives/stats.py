@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from .._timing import Span
@@ -58,6 +59,11 @@ class CollectiveStats:
     trial: bool = False
     """``auto`` ran this candidate to try it at this density, in place of its choice, with which it
     is near-tied (:data:`~.choice.TRIAL_MARGIN`)."""
+    planned_from: np.ndarray | None = None
+    """The count table the plan was sized from, when not the call's exact counts: the caller's
+    bounds, or the exchanged counts with headroom, reused while later counts fit them
+    (:mod:`.reuse`). Row ``q``: rank ``q``'s ``world * channels`` piece bounds. ``None``: the plan
+    is from exact counts, or there is none (native)."""
 
     @property
     def decode_status(self) -> torch.Tensor | None:

@@ -60,9 +60,11 @@ __all__ = [
     "CountSummary",
     "Prediction",
     "count_levels",
+    "density_octave",
     "predict",
     "predict_variants",
     "round_count",
+    "table_octave",
 ]
 
 _INTRA, _INTER = 0, 1
@@ -160,8 +162,7 @@ class CountSummary:
         """The ranks' mean density to the nearest octave, ``round(log2(density))``: 0 dense, -7
         at 99% sparsity, -10 at 99.9% (an empty call counts as one nonzero). Where ``auto``'s
         trials are counted (:meth:`.feedback.Corrections.tried`)."""
-        held = max(1, int(self.held.sum()))
-        return round(math.log2(held / max(1, self.held.size * _held_elements(self.collective, self.layout))))
+        return density_octave(self.collective, int(self.held.sum()), self.layout)
 
     @classmethod
     def of(
@@ -213,6 +214,19 @@ class CountSummary:
         """The summary's bytes (a memo key, with the call's other inputs)."""
         parts = (self.sent, self.received, self.ring, self.bound, self.estimate, self.held)
         return b"|".join(np.ascontiguousarray(a).tobytes() for a in parts)
+
+
+def density_octave(collective: str, held: int, layout: ChunkLayout) -> int:
+    """:attr:`CountSummary.octave` of a call whose ranks hold ``held`` nonzeros in all."""
+    return round(math.log2(max(1, held) / max(1, layout.world * _held_elements(collective, layout))))
+
+
+def table_octave(collective: str, table: np.ndarray, layout: ChunkLayout) -> int:
+    """:attr:`CountSummary.octave` of a count table (as :meth:`CountSummary.of` reads it), without
+    the summary."""
+    p, ch = layout.world, layout.channels
+    held = table[:, :ch] if collective == "all_gather" else table[:, : p * ch]
+    return density_octave(collective, int(held.sum()), layout)
 
 
 def _held_elements(collective: str, layout: ChunkLayout) -> int:
