@@ -458,7 +458,8 @@ def _run(
     rounds = exchange_rounds(how, collective, whole_table=how == "scalable" and whole) if how else 0
     received = exchange_bytes(how, collective, p, config.channels, how == "scalable" and whole) if how else 0
 
-    # 2. the decision and this rank's plan (the same on every rank: pure functions of the counts)
+    # 2. the decision and this rank's plan (the same on every rank: functions of the counts and of
+    # the group's state, which every rank changes alike)
     measured = model_of(config, transport, topology, inp.device)
     default_group = hierarchical.is_world(transport.group)
     model, key = measured.model, f"{fingerprint}|{measured.tag}|{'default group' if default_group else 'subgroup'}"
@@ -477,8 +478,8 @@ def _run(
         config = dataclasses.replace(config, algorithm="auto")  # (the memo key keeps "hierarchical")
     # the density octave of exchanged counts, where the corrections keep what candidates took and
     # trials are counted (a call with bounds keeps one plan per bounds table: neither). A call that
-    # holds the whole table plans from bounds above it, reused while its counts fit (:mod:`.reuse`)
-    summary = counts.summary(layout, topology) if bounds is None and counts.table is None else None
+    # exchanged the whole table plans from bounds above it, reused while its counts fit (:mod:`.reuse`)
+    summary = counts.summary(layout, topology) if bounds is None and how != "table" else None
     octave = None
     if corrections is not None and bounds is None:
         octave = summary.octave if summary is not None else table_octave(collective, counts.table, layout)
@@ -498,17 +499,16 @@ def _run(
         if octave is not None:
             tried = corrections.tried(collective, nbytes, inp.dtype, octave)
     entry = None
-    if summary is not None:  # the scalable exchange: decided and planned from its summary every call
+    if summary is not None:  # the scalable exchange: decided and planned from its counts every call
         choice, weighed, plan, bound_gather = _decide_and_plan(
             collective, config, key, counts, summary, layout, inp.dtype, topology, r, model, factors, default_group,
             rounds, prefer, tried,
         )  # fmt: skip
     else:  # priced and planned once per bounds, picked every call
-        prices = (config, key, counts, layout, inp.dtype, topology, r, model, default_group)
-        if bounds is None:
-            entry = _reused(collective, *prices, state_of(transport).plans)
-        else:
-            entry = _bounded(collective, *prices)
+        store = state_of(transport).plans if bounds is None else None
+        entry = _priced_plans(
+            collective, config, key, counts, layout, inp.dtype, topology, r, model, default_group, store
+        )
         choice, weighed, plan, bound_gather = _pick_and_plan(
             entry, int(bounds is None), collective, config, layout, inp.dtype, topology, r, model, factors, rounds,
             prefer, tried,
@@ -619,17 +619,19 @@ def _decide_and_plan(
     prefer: str | None = None,
     tried: frozenset[str] | None = None,
 ) -> tuple[Candidate, dict[str, float], Plan | None, Plan | None]:
-    """``(choice, predictions, plan, gather plan)`` of an exchanged call without the whole count
-    table (the scalable protocol): :func:`~.choice.decide` from the counts' ``summary``
-    (``prefer``: the candidate the group ran last for such a call, :data:`~.choice.STICKY_MARGIN`;
-    ``tried``: :meth:`.feedback.Corrections.tried`, or ``None``), then :func:`_plan_choice`."""
+    """``(choice, predictions, plan, gather plan)`` of a call that exchanged its counts by the
+    scalable protocol: :func:`~.choice.decide` from the counts' ``summary`` (``prefer``: the
+    candidate the group ran last for such a call, :data:`~.choice.STICKY_MARGIN`; ``tried``:
+    :meth:`.feedback.Corrections.tried`, or ``None``), then :func:`_plan_choice` (a ring from the
+    whole table it gathered)."""
+    rings = counts.table is not None
     choice, weighed = decide(
-        config, key, summary, dtype, model, 1, factors, default_group, max(rounds, 1), False, prefer, tried
+        config, key, summary, dtype, model, 1, factors, default_group, max(rounds, 1), rings, prefer, tried
     )
     return choice, weighed, *_plan_choice(choice, collective, config, counts, layout, dtype, topology, rank)
 
 
-def _bounded(
+def _priced_plans(
     collective: str,
     config: CollectiveConfig,
     key: str,
@@ -640,43 +642,35 @@ def _bounded(
     rank: int,
     model: CostModel,
     default_group: bool,
+    store: PlanStore | None,
 ) -> Reused:
-    """A call with the caller's bounds (the same every step: a DDP bucket): its candidates priced
-    and its plans, once per bounds table (a pure memo)."""
-    memo_key = (collective, key, dtype, layout, topology, rank, counts.table.tobytes())
-    entry = _bounded_plans.get(memo_key)
-    if entry is None:
-        weighing = priced(config, key, counts.summary(layout, topology), dtype, model, 0, default_group, True)
-        entry = _bounded_plans.put(memo_key, Reused(counts.table, counts, weighing))
-    return entry
+    """The priced candidates and plans a call picks and runs from (a :class:`~.reuse.Reused`).
 
-
-_bounded_plans = Memo("bounded plans", 64)
-"""Calls with bounds: the :class:`~.reuse.Reused` of each call and bounds table."""
-
-
-def _reused(
-    collective: str,
-    config: CollectiveConfig,
-    key: str,
-    counts: Counts,
-    layout: ChunkLayout,
-    dtype: torch.dtype,
-    topology: Topology,
-    rank: int,
-    model: CostModel,
-    default_group: bool,
-    store: PlanStore,
-) -> Reused:
-    """An exchanged call that holds the whole count table: priced from the counts, planned from
-    bounds above them; the last ones of this call shape while the counts fit them (:mod:`.reuse`)."""
+    ``store`` ``None``: a call with the caller's bounds (the same every step: a DDP bucket), once
+    per bounds table, a pure memo. Else a call that exchanged the whole count table: priced from
+    its counts, planned from bounds above them, the last ones of its shape while the counts fit
+    them (:mod:`.reuse`; ``store`` is its group's). The bounds are read-only: what every rank
+    kept must stay equal (:attr:`.stats.CollectiveStats.planned_from` hands them out)."""
+    if store is None:
+        memo_key = (collective, key, dtype, layout, topology, rank, counts.table.tobytes())
+        entry = _bounded_plans.get(memo_key)
+        if entry is None:
+            counts.table.flags.writeable = False
+            weighing = priced(config, key, counts.summary(layout, topology), dtype, model, 0, default_group, True)
+            entry = _bounded_plans.put(memo_key, Reused(counts.table, counts, weighing))
+        return entry
     shape = (collective, key, dtype, layout, topology)
     entry = store.get(shape, counts.table)
     if entry is None:
         weighing = priced(config, key, counts.summary(layout, topology), dtype, model, 1, default_group, True)
         table = headroom(counts.table, limits_of(collective, layout))
+        table.flags.writeable = False
         entry = store.put(shape, Reused(table, Counts.from_table(collective, table, layout, rank, False), weighing))
     return entry
+
+
+_bounded_plans = Memo("bounded plans", 64)
+"""Calls with bounds: the :class:`~.reuse.Reused` of each call and bounds table."""
 
 
 def _pick_and_plan(

@@ -14,8 +14,8 @@ channels) numbers), not from plans, and only the chosen one is planned, for this
 (:func:`plan_candidate`). :func:`decide` is what a call uses: the candidates priced from the
 summary rounded to 1/16 of an octave of density and memoised (:func:`priced`), so calls with the
 same sparsity profile (every training step, every benchmark repetition) skip the weighing, then
-picked (:meth:`Weighing.pick`: the corrections, the sticky preference, trials). All inputs are equal on
-every rank and the decision is a pure function of them, so every rank picks alike.
+picked (:meth:`Weighing.pick`: the corrections, the sticky preference, trials). All inputs are
+equal on every rank and the decision is a pure function of them, so every rank picks alike.
 
 A candidate (native or sparse) predicted within :data:`TRIAL_MARGIN` of the choice that has
 not been run at the call's density octave is run instead, twice, so that the measured model

@@ -266,7 +266,9 @@ class Counts:
     """``gathered[c, k]``: an all-gather's every input count; an all-reduce's every reduced piece's
     bound (``min(n, sum)``); ``None`` for a reduce-scatter."""
     table: np.ndarray | None = None
-    """The table protocol: every rank's row, ``(world, world * channels)``; ``None`` under the scalable one."""
+    """Every rank's row: the table protocol's ``(world, world * channels)``, or what a scalable
+    exchange gathered whole for a ring or a graphed call (an all-gather's: each rank's own
+    ``channels``); ``None`` under the scalable protocol otherwise."""
     sent_max: np.ndarray | None = None
     """Scalable: per hop kind (intra, inter), the most nonzeros one rank sends of other ranks' chunks."""
     received_max: np.ndarray | None = None

@@ -2,8 +2,9 @@
 
 An exchanged call (the table protocol: every rank holds every rank's counts) used to summarise,
 weigh and plan from its exact counts every time: on a 2-H100 host 0.47 ms of Python and numpy per
-256 MiB all-reduce, while the GPU waited (NCCL's whole call takes about 1 ms); now 0.09 ms. Instead, each call shape plans from *bounds*: its counts with headroom (:func:`headroom`),
-and keeps the bounds with the decision and the plans made from them. The next call whose counts
+256 MiB all-reduce, while the GPU waited (NCCL's whole call takes about 1 ms). Instead, each call
+shape plans from *bounds*: its counts with headroom (:func:`headroom`), and keeps the bounds
+with the priced candidates and the plans made from them (0.09 ms per call that reuses them). The next call whose counts
 all fit under those bounds, and lie not far below them (:func:`fits`), runs the same decision and
 plans; the executors' per-plan preparation is memoised on the plans' messages too. So a repeated
 call (every training step, every benchmark repetition) costs the exchange and the launches.
@@ -13,12 +14,16 @@ is at most ``HEADROOM`` (1/64) of its count larger, plus four standard deviation
 independent count and 16 elements; a piece that is reused stays within ``LOOSE`` of its count
 before it is planned again. The candidates are priced on the counts that made the bounds (a
 piece of a few hundred nonzeros gets a fifth more room, which would tip near-ties), and reused
-while later counts fit: within a few percent, where :func:`~.choice.priced` rounds to 1/16 of an
-octave anyway.
+while later counts fit: within a few percent of those counts from a few thousand nonzeros per
+piece up, where :func:`~.choice.priced` rounds to 1/16 of an octave anyway; a piece of a hundred
+fits from about 60 to 160 (the square-root and constant terms), where its bytes barely weigh
+against a call's fixed costs.
 
 Every rank exchanged the same table and the store is its group's (:class:`.state.GroupState`),
 changed only by that group's calls, which every rank makes in the same order: every rank reuses
-and replans alike, and their plans stay equal.
+and replans alike, and their plans stay equal. The store is not a memo (:func:`.state.clear_memos`
+leaves it): forgetting it on one rank alone would part the ranks' plans. Only the table protocol
+(under 32 ranks) reuses: the scalable one gives no rank the whole table.
 """
 
 from __future__ import annotations
@@ -109,7 +114,3 @@ class PlanStore:
             self._last.clear()
         self._last[shape] = entry
         return entry
-
-    def clear(self) -> None:
-        """Forget every shape (every rank of the group must do so alike)."""
-        self._last.clear()

@@ -19,6 +19,8 @@ ranks' decisions stay equal without a synchronisation of their own.
 **Memos** (:class:`Memo`): pure functions' results by their inputs (decisions, hierarchical step
 curves, weighing terms, bounded plans, ...). Forgetting one costs only its recomputation, so
 each forgets everything when full, and :func:`clear_memos` forgets them all (to time the cold path).
+A group's state is not a memo: its ranks must change it alike, so nothing here forgets it on one
+rank alone.
 
 Elsewhere, for their own reasons: captured CUDA graphs and the bounds they were captured with
 (:mod:`.graphs`: resources, freed by ``clear_graphs`` before a group is destroyed), and the
