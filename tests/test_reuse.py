@@ -88,3 +88,31 @@ def test_repeated_calls_reuse_their_bounds_until_the_density_moves(pools, world)
     assert bounds[0] == bounds[1] == bounds[2], f"fresh data, same density: reused (SPCCL_TEST_SEED={SEED})"
     assert bounds[3] != bounds[2], f"4x denser: planned anew (SPCCL_TEST_SEED={SEED})"
     assert bounds[4] != bounds[3] and bounds[4] == bounds[5], f"20x sparser: anew, then reused (SPCCL_TEST_SEED={SEED})"
+
+
+def _job_two_groups(rank, world, seed):
+    """Two groups of the same two ranks, their calls interleaved at different densities: each
+    group reuses its own bounds (the store is the group's, not the process's)."""
+    import torch.distributed as dist
+
+    groups = (dist.new_group([0, 1]), dist.new_group([0, 1]))
+    if rank > 1:
+        return []
+    cfg = CollectiveConfig(format="pici", algorithm="direct", cost_model="default")  # one model: alike calls
+    n = 2 * 3 * 4096
+    out = []
+    for call in range(6):
+        density = 0.05 if call % 2 == 0 else 0.25
+        gen = torch.Generator().manual_seed(seed * 1000 + call)
+        xs = [torch.randn(n, generator=gen) * (torch.rand(n, generator=gen) < density) for _ in range(2)]
+        x = xs[rank].clone()
+        spccl_train.all_reduce(x, groups[call % 2], config=cfg)
+        out.append(last_stats().planned_from.tobytes())
+    return out
+
+
+def test_each_group_keeps_its_own_bounds(pools):
+    got = pools(3).run(_job_two_groups, SEED % 10_000)
+    assert got[0] == got[1] and got[2] == [], f"SPCCL_TEST_SEED={SEED}"
+    a, b = got[0][0::2], got[0][1::2]
+    assert a[0] == a[1] == a[2] and b[0] == b[1] == b[2] and a[0] != b[0], f"SPCCL_TEST_SEED={SEED}"
