@@ -14,6 +14,7 @@ import torch
 
 import spccl_train
 from spccl_train.collectives import CollectiveConfig, last_stats, reuse
+from spccl_train.collectives.exchange import Counts
 
 SEED = int(os.environ.get("SPCCL_TEST_SEED", random.SystemRandom().randrange(2**31)))
 
@@ -42,7 +43,8 @@ def test_bounds_hold_every_count_within_their_piece_and_fit_until_counts_leave_t
 def test_a_store_keeps_the_last_entry_per_shape_and_starts_over_when_full():
     store = reuse.PlanStore()
     table = np.array([[100, 0], [5, 7]])
-    entry = store.put("a", reuse.Reused(reuse.headroom(table, np.full_like(table, 1000)), None, None))
+    bounds = reuse.headroom(table, np.full_like(table, 1000))
+    entry = store.put("a", reuse.Reused(Counts("all_reduce", None, None, None, bounds), None))
     assert store.get("a", table) is entry and store.get("b", table) is None
     assert store.get("a", table * 3) is None  # grown past the bounds
     for k in range(reuse.MAX_SHAPES - 1):

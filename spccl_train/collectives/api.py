@@ -657,7 +657,7 @@ def _priced_plans(
         if entry is None:
             counts.table.flags.writeable = False
             weighing = priced(config, key, counts.summary(layout, topology), dtype, model, 0, default_group, True)
-            entry = _bounded_plans.put(memo_key, Reused(counts.table, counts, weighing))
+            entry = _bounded_plans.put(memo_key, Reused(counts, weighing))
         return entry
     shape = (collective, key, dtype, layout, topology)
     entry = store.get(shape, counts.table)
@@ -665,7 +665,7 @@ def _priced_plans(
         weighing = priced(config, key, counts.summary(layout, topology), dtype, model, 1, default_group, True)
         table = headroom(counts.table, limits_of(collective, layout))
         table.flags.writeable = False
-        entry = store.put(shape, Reused(table, Counts.from_table(collective, table, layout, rank, False), weighing))
+        entry = store.put(shape, Reused(Counts.from_table(collective, table, layout, rank, False), weighing))
     return entry
 
 

@@ -82,17 +82,21 @@ def fits(table: np.ndarray, bounds: np.ndarray) -> bool:
 
 
 class Reused:
-    """What one call shape last planned: the bounds, their counts and priced candidates, and the
+    """What one call shape last planned: the bounds as counts, the priced candidates, and the
     plans of each candidate run from them (by algorithm, format and gather mode)."""
 
-    __slots__ = ("bounds", "counts", "weighing", "plans")
+    __slots__ = ("counts", "weighing", "plans")
 
-    def __init__(self, bounds: np.ndarray, counts: Counts, weighing: Weighing) -> None:
-        self.bounds = bounds
+    def __init__(self, counts: Counts, weighing: Weighing) -> None:
         self.counts = counts
-        """:class:`~.exchange.Counts` of the bounds, as this rank plans from them."""
+        """:class:`~.exchange.Counts` of the bounds (their whole table), as this rank plans from them."""
         self.weighing = weighing
         self.plans: dict[tuple[str, Format, str], tuple] = {}
+
+    @property
+    def bounds(self) -> np.ndarray:
+        """The bounds table, ``(world, world * channels)``."""
+        return self.counts.table
 
 
 class PlanStore:
