@@ -9,8 +9,8 @@ default) measures, collectively, on every rank of the group:
 - **links**: every rank sends to its right neighbour and receives from its left one at once, on
   the ring inside its node (intra) and on the ring across nodes among ranks with the same local
   rank (inter), each at a small size (latency) and at a size that takes a few milliseconds and
-  twice the small one's time (bandwidth, grown by 4x from 1 MiB until it does, or takes a quarter
-  of a second). ``bandwidth = n / (t_big - t_small)``:
+  four times the small one's time (bandwidth, grown by 4x from 1 MiB until it does, or takes a
+  quarter of a second). ``bandwidth = n / (t_big - t_small)``:
   bytes one rank pushes one way while all ranks push, which is how the collectives load the links;
 - **the native all-reduce**: the backend's own collective on the whole group, timed as the
   links are (tiny, then grown until it takes about 10 ms), since NCCL's choice of algorithm,
@@ -24,10 +24,13 @@ default) measures, collectively, on every rank of the group:
   (at once they would time-slice it and measure each other), and the model divides the device's
   throughput among them, since during a collective their codecs do run at the same time.
 
-Times are the median of a few repeats, each after a barrier, then the slowest rank's (MAX over
-the group; throughputs its MIN), so every rank holds the same model and decides alike. The whole
-probe costs milliseconds on NVLink and some tens of milliseconds on slow links or gloo, once per
-group and topology. Figures the probe cannot see (intra-node links when every node holds one rank,
+A transfer's time is the fastest of a few repeats on each rank, each after a barrier (a shared
+socket or network only ever delays a transfer: the fastest repeat is the link's, the slower ones
+carry someone else's traffic), then the slowest rank's (MAX over the group; throughputs its MIN),
+so every rank holds the same model and decides alike; a steady slowdown that a short probe does
+not see is the corrections' to learn (:mod:`.feedback`). The whole probe costs milliseconds on
+NVLink, tens of milliseconds on gloo and up to a few seconds over sockets (4 ranks as 4 emulated
+nodes), once per group and topology. Figures the probe cannot see (intra-node links when every node holds one rank,
 inter-node ones on one node) keep :meth:`CostModel.default`'s values.
 """
 
@@ -61,6 +64,7 @@ _SMALL = 64  # bytes: latency-bound on every link
 _FIRST_LARGE = 1 << 20
 _LARGEST = {"cuda": 256 << 20, "cpu": 16 << 20}
 _LONG_ENOUGH_S = 2e-3  # a large send this long is bandwidth-bound enough to fit the slope
+_OVER_START_UP = 4  # ... and this many times the small one's: its bytes take 3/4 of its time
 _NATIVE_LONG_ENOUGH_S = 10e-3  # NCCL's socket all-reduce reaches its pace later than one send
 _LONGEST_S = 0.25  # grown no further once a transfer takes this long: the probe's time stays bounded
 _REPEATS = 3
@@ -86,7 +90,9 @@ class LinkProbe:
         parts = []
         for name, link in (("intra-node", self.intra), ("inter-node", self.inter)):
             if link is not None:
-                parts.append(f"{name} {link.bandwidth / 1e9:.2f} GB/s, {link.latency_s * 1e6:.0f} us")
+                grouped = link.collective_bandwidth
+                through = f" ({grouped / 1e9:.2f} GB/s all-to-all)" if grouped is not None else ""
+                parts.append(f"{name} {link.bandwidth / 1e9:.2f} GB/s{through}, {link.latency_s * 1e6:.0f} us")
         if self.native is not None:
             parts.append(f"native all-reduce {self.native.bandwidth / 1e9:.2f} GB/s per rank")
         parts.append(f"exchange {self.exchange_s * 1e3:.2f} ms (probe took {self.probe_s * 1e3:.0f} ms)")
@@ -195,23 +201,25 @@ def _fit(
     transport: P2PTransport, device: torch.device, make, pushed, long_enough: float = _LONG_ENOUGH_S
 ) -> tuple[float, float]:
     """``(latency_s, bytes per second)`` of the step ``make(nbytes)`` builds, fitted from a small
-    size and one grown by 4x from 1 MiB until it takes ``long_enough`` and twice the small one's
-    time (or a quarter of a second, or reaches the largest size the device type allows);
-    ``pushed(nbytes)``: the bytes one rank puts on the wire in it. Every rank gets the slowest
-    rank's figures."""
+    size and one grown by 4x from 1 MiB until it takes ``long_enough`` and :data:`_OVER_START_UP`
+    times the small one's time (or a quarter of a second, or reaches the largest size the device
+    type allows); ``pushed(nbytes)``: the bytes one rank puts on the wire in it. Each size's time is
+    this rank's fastest repeat; every rank gets the slowest rank's figures."""
 
     def seconds(nbytes: int) -> float:
         step = make(nbytes)
-        return _slowest(transport, device, statistics.median(_times(transport, device, step, _REPEATS)))
+        return _slowest(transport, device, min(_times(transport, device, step, _REPEATS)))
 
     small = seconds(_SMALL)
     nbytes, large = _FIRST_LARGE, seconds(_FIRST_LARGE)
     largest = _LARGEST.get(device.type, _LARGEST["cpu"])
-    # Grown until long enough, and until the bytes take at least as long as the start-up: over
-    # sockets a tiny call takes 10-70 ms and jitters by milliseconds, so a slope fitted on a
-    # transfer of that length was noise (4 ranks as 4 emulated nodes on one H200, 2026-11-26: the
-    # native all-reduce fitted 4.87 and 0.06 GB/s per rank on two machines, 1.25 and 0.62 run).
-    while (large < long_enough or large < 2 * small) and large < _LONGEST_S and nbytes * 4 <= largest:
+    # Grown until long enough, and until the bytes take most of the time: over sockets a tiny
+    # call takes 3-70 ms and jitters by milliseconds, so a slope fitted on a transfer of that
+    # length is the jitter's (4 ranks as 4 emulated nodes on one H200, 2026-11-26: the native
+    # all-reduce fitted 4.87 and 0.06 GB/s per rank on two machines, 1.25 and 0.62 run; 2 ranks
+    # as 2 nodes on one H100, the sends across nodes fitted 0.25 GB/s where other machines
+    # measured 1.2-1.4, from a large size twice the start-up's 2.7 ms and medians of 3).
+    while (large < long_enough or large < _OVER_START_UP * small) and large < _LONGEST_S and nbytes * 4 <= largest:
         nbytes *= 4
         large = seconds(nbytes)
     slope = large - small if large > small else large
