@@ -41,8 +41,11 @@ sittings out of four). So every call counts as a *run* of its kind at its densit
 *trial*: its first observation can be a kind's warm-up), and then weighed on what it was seen to
 take. Trials are bounded: at most two calls per candidate, density octave, size class and element
 type, counted when they run, whether observed or not (a DDP hook's overlapped calls are seldom
-observed). A trial does not become the group's preference (``last``), so it is not kept by
-:data:`~.choice.STICKY_MARGIN` unless it measured better.
+observed), and one more where the kind's warm-up fell among them: that run teaches nothing, and a
+trial judged on one observation was judged on its noise (4 ranks as 4 emulated nodes on one H100,
+256 MiB at 99%, 2026-11-26: direct/COO tried in a kind's warm-up and one call, then left for
+direct/Pici, which took 1.21x direct/COO's time). A trial does not become the group's preference
+(``last``), so it is not kept by :data:`~.choice.STICKY_MARGIN` unless it measured better.
 
 What a candidate was seen to take at the call's octave is used as it is: the kind's factor is fitted
 across densities and moves only beyond :data:`FAR`, so inside that band two candidates whose errors
@@ -282,7 +285,7 @@ class Corrections:
 
     def tried(self, collective: str, nbytes: int, dtype: torch.dtype | None, octave: int) -> frozenset[str]:
         """The candidates run :data:`TRIAL_RUNS` times or more for calls of this collective, size
-        class and element type at density ``octave``."""
+        class and element type at density ``octave``, their kind's warm-up not counted."""
         runs = self.runs.get((collective, size_class(nbytes), _type_name(dtype), octave))
         return frozenset(name for name, n in runs.items() if n >= TRIAL_RUNS) if runs else frozenset()
 
@@ -315,6 +318,9 @@ class Corrections:
         self.seen[kind] = self.seen.get(kind, 0) + 1
         self.revision += 1
         if self.seen[kind] == 1:  # warm-up; learning will start from the share it is weighed with now
+            if pending.octave is not None:  # a run that taught nothing does not count as a trial's
+                collective, candidate, size, of = kind
+                self.runs[(collective, size, of, pending.octave)][candidate] -= 1
             share = self._shared(kind)
             if share is not None and kind[1] not in OWN_ONLY:
                 self.factors[kind] = share
