@@ -277,6 +277,14 @@ class _Row:
     auto_vs_best: float | None = None
     """``auto/auto`` rows: their time over the best fixed candidate's (``nccl`` or a pici / coo
     method with ring or direct) at the same point; 1.0 is as good as the best."""
+    timed_chosen: str = ""
+    """The candidates the timed calls ran (``"direct/pici"``; several, ``>``-separated, where they
+    changed), without the verification, warm-up and settling calls that :attr:`chosen` includes."""
+    choice_vs_best: float | None = None
+    """``auto/auto`` rows whose timed calls ran one fixed candidate: that candidate's own time
+    (its fixed method's row) over the best fixed candidate's. Against :attr:`auto_vs_best` it tells
+    a wrong choice from the right one timed in another window (over sockets the same plan's time
+    moves by 10-15% between windows a minute apart)."""
     exchanges: str = ""
     """The spccl calls' planning exchanges, per timed call (``"1 1 2"``): an all-reduce whose gather
     phase was measured pays a second one, a call run native under ``check_calls="first"`` none."""
@@ -912,6 +920,8 @@ def _measure(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _R
                 now = f"{stats.algorithm}/{stats.format.value}"
                 if not row.chosen.endswith(now):
                     row.chosen = f"{row.chosen}>{now}"
+                if not row.timed_chosen.endswith(now):
+                    row.timed_chosen = f"{row.timed_chosen}>{now}".lstrip(">")
                 row.exchanges = f"{row.exchanges} {stats.exchanges}".strip()
                 if stats.gather_counts and not row.gather_counts.endswith(stats.gather_counts):
                     row.gather_counts = f"{row.gather_counts}>{stats.gather_counts}".lstrip(">")
@@ -1013,7 +1023,7 @@ _FIELDS = [
     "algorithm", "channels", "threshold_scale", "thresholds", "dtype", "pattern", "size_bytes", "sparsity",
     "input_sparsity", "output_sparsity", "time_ms", "time_min_ms", "time_max_ms", "algbw_GBps", "busbw_GBps",
     "bytes_sent", "dense_bytes", "bytes_ratio", "chosen", "message_formats", "speedup_vs_nccl", "speedup_vs_naive",
-    "predicted_ms", "auto_vs_best", "exchanges", "gather_counts", "warmup", "settle", "iters", "peak_mem_GiB",
+    "predicted_ms", "auto_vs_best", "timed_chosen", "choice_vs_best", "exchanges", "gather_counts", "warmup", "settle", "iters", "peak_mem_GiB",
     "verified", "error",
 ]  # fmt: skip
 
@@ -1059,6 +1069,8 @@ def _write_csv(rows: list[_Row], path: pathlib.Path, meta: dict[str, object]) ->
                     "speedup_vs_nccl": opt(r.speedup_vs_nccl, 4),
                     "speedup_vs_naive": opt(r.speedup_vs_naive, 4),
                     "auto_vs_best": opt(r.auto_vs_best, 4),
+                    "timed_chosen": r.timed_chosen,
+                    "choice_vs_best": opt(r.choice_vs_best, 4),
                     "predicted_ms": opt(r.predicted_ms, 6),
                     "exchanges": r.exchanges,
                     "gather_counts": r.gather_counts,
@@ -1234,18 +1246,25 @@ _AUTO_WITHIN = 1.10  # auto within 10% of the best fixed candidate (the links is
 
 
 def _rate_auto(rows: list[_Row]) -> None:
-    """Set ``auto_vs_best`` on the ``auto/auto`` rows from the fixed candidates of the same point."""
+    """Set ``auto_vs_best`` and ``choice_vs_best`` on the ``auto/auto`` rows from the fixed
+    candidates of the same point."""
 
     def point(r: _Row) -> tuple:
         return (r.collective, r.dtype, r.pattern, r.size_bytes, r.sparsity, r.channels, r.threshold_scale)
 
     best: dict[tuple, float] = {}
+    fixed: dict[tuple, float] = {}
     for r in rows:
         if r.method in _FIXED and r.verified and not math.isnan(r.time_ms):
             best[point(r)] = min(best.get(point(r), math.inf), r.time_ms)
+            fixed[point(r) + (r.method,)] = r.time_ms
     for r in rows:
         if r.method == "auto/auto" and r.verified and point(r) in best:
             r.auto_vs_best = r.time_ms / best[point(r)]
+            algorithm, _, fmt = r.timed_chosen.partition("/")
+            ran = "nccl" if algorithm == "native" else f"{fmt}/{algorithm}"
+            if ">" not in r.timed_chosen and point(r) + (ran,) in fixed:
+                r.choice_vs_best = fixed[point(r) + (ran,)] / best[point(r)]
 
 
 def _auto_summary(rows: list[_Row]) -> None:
@@ -1260,6 +1279,17 @@ def _auto_summary(rows: list[_Row]) -> None:
         f"{'PASS' if not over else 'FAIL'} ({len(rated) - len(over)} of {len(rated)}; worst {worst.auto_vs_best:.2f}x at "
         f"{worst.collective} {benchlib.size_label(worst.size_bytes)} {worst.sparsity:g}%, chose {worst.chosen or '-'})"
     )
+    if over:  # a wrong choice, or the right one timed in another window
+        same = [r for r in over if r.choice_vs_best is not None and r.choice_vs_best <= _AUTO_WITHIN]
+        print(
+            f"  of the {len(over)} beyond: {len(same)} ran a candidate whose own fixed time was within "
+            f"{_AUTO_WITHIN - 1:.0%} of the best ("
+            + ", ".join(
+                f"{benchlib.size_label(r.size_bytes)} {r.sparsity:g}%: {r.timed_chosen} {r.choice_vs_best:.2f}x"
+                for r in same
+            )
+            + ")"
+        )
 
 
 # ---------------------------------------------------------------------------------------

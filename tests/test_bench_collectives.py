@@ -15,6 +15,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench" / "bench_collectives.py"
 TIMEOUT_S = 240
 COLUMNS = {
@@ -61,6 +63,25 @@ def test_smoke_grid(tmp_path):
             assert float(r["speedup_vs_nccl"]) > 0, r
         if r["method"] not in ("nccl", "naive_coo"):
             assert r["predicted_ms"] != "" and float(r["speedup_vs_naive"]) > 0, r
+    # auto's rows rate its time and, where its timed calls ran one candidate, that candidate's own
+    fixed = ("nccl", "pici/ring", "pici/direct", "coo/ring", "coo/direct")
+    times = {}
+    for r in rows:
+        if r["method"] in fixed:
+            times.setdefault((r["collective"], r["pattern"], r["size_bytes"], r["sparsity"]), {})[r["method"]] = float(
+                r["time_ms"]
+            )
+    for r in (r for r in rows if r["method"] == "auto/auto"):
+        at = times[(r["collective"], r["pattern"], r["size_bytes"], r["sparsity"])]
+        ran = r["timed_chosen"].split(">")
+        assert ran[0] and all(name in r["chosen"] for name in ran), r
+        assert float(r["auto_vs_best"]) == pytest.approx(float(r["time_ms"]) / min(at.values()), rel=1e-3), r
+        if len(ran) == 1:
+            algorithm, fmt = ran[0].split("/")
+            own = at["nccl" if algorithm == "native" else f"{fmt}/{algorithm}"]
+            assert float(r["choice_vs_best"]) == pytest.approx(own / min(at.values()), rel=1e-3), r
+        else:
+            assert r["choice_vs_best"] == "", r
     if importlib.util.find_spec("matplotlib") is not None:
         assert len(list(tmp_path.glob("collectives_cpux2_*_all_reduce_iid_fp32.png"))) == 1
 
