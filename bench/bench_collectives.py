@@ -15,7 +15,10 @@ pattern x size x sparsity, timed on every rank of a torchrun job. Methods:
 - ``<format>/<algorithm>``: ``spccl_train`` with ``CollectiveConfig(format, algorithm)``:
   ``auto/auto`` (what a user gets), and ``pici``, ``coo``, ``auto`` each with ``ring`` and
   ``direct``; ``--channels`` and ``--thresholds-sweep`` repeat them per channel count and
-  threshold scale.
+  threshold scale. Methods that choose nothing (a format and the ring or direct algorithm given)
+  run on a process group of their own, so that what their calls teach the measured model's corrections
+  (``spccl_train/collectives/feedback.py``, per group) is not ``auto``'s to use: in training
+  ``auto`` learns from its own calls alone.
 
 Sizes are those of the full tensor, the nccl-tests convention: for all-reduce the tensor
 (input = output); for all-gather the OUTPUT (each rank's input is size / world); for
@@ -312,6 +315,8 @@ class _Env:
     world: int
     device: torch.device
     backend: str
+    fixed_group: dist.ProcessGroup
+    """The group of the methods that choose nothing (every rank; its own corrections)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -551,7 +556,13 @@ def _init(smoke: bool, emulate_nodes: int) -> _Env | None:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
-    return _Env(rank=dist.get_rank(), world=dist.get_world_size(), device=device, backend=dist.get_backend())
+    return _Env(
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+        device=device,
+        backend=dist.get_backend(),
+        fixed_group=dist.new_group(list(range(dist.get_world_size()))),
+    )
 
 
 def _devices_used(env: _Env) -> int:
@@ -803,12 +814,14 @@ def _call(method: _Method, case: _Case, env: _Env) -> tuple[CollectiveStats | No
         if coll == "all_gather":
             return None, _naive_all_gather(case.out, case.x0, p)
         return None, _naive_reduce_scatter(case.out, case.x0, p, env.rank)
+    fixed = method.fmt != "auto" and method.algorithm in ("ring", "direct")  # hierarchical: the default group's
+    group = env.fixed_group if fixed else None
     if coll == "all_reduce":
-        spccl_train.all_reduce(case.work, config=method.config)
+        spccl_train.all_reduce(case.work, group=group, config=method.config)
     elif coll == "all_gather":
-        spccl_train.all_gather_into_tensor(case.out, case.x0, config=method.config)
+        spccl_train.all_gather_into_tensor(case.out, case.x0, group=group, config=method.config)
     else:
-        spccl_train.reduce_scatter_tensor(case.out, case.x0, config=method.config)
+        spccl_train.reduce_scatter_tensor(case.out, case.x0, group=group, config=method.config)
     return last_stats(), 0
 
 

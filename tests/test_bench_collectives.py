@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench" / "bench_collectives.py"
 TIMEOUT_S = 240
@@ -151,3 +152,27 @@ def test_hierarchical_methods_run_on_request(tmp_path):
     assert {r["method"] for r in rows} == {"nccl", "coo/hierarchical"}
     assert {r["collective"] for r in rows} == {"all_reduce", "all_gather", "reduce_scatter"}
     assert all(r["verified"] == "True" for r in rows)
+
+
+def test_methods_that_choose_nothing_run_on_a_group_of_their_own(monkeypatch):
+    """What a fixed method's calls teach the measured model's corrections (per group) is not
+    auto's to use: in training auto learns from its own calls alone. The hierarchical algorithm
+    makes its node subgroups from the default group and stays there."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))  # its helpers, as when it runs as a script
+    spec = importlib.util.spec_from_file_location("bench_collectives_under_test", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    groups = []
+    monkeypatch.setattr(bench.spccl_train, "all_reduce", lambda tensor, group=None, config=None: groups.append(group))
+    monkeypatch.setattr(bench, "last_stats", lambda: None)
+    own = object()
+    env = bench._Env(rank=0, world=2, device=torch.device("cpu"), backend="gloo", fixed_group=own)
+    case = bench._Case(
+        collective="all_reduce", dtype_name="fp32", dtype=torch.float32, pattern="iid", sparsity=99.0,
+        size_bytes=64, x0=torch.zeros(16), fingerprint=0, ref=torch.zeros(16), tol=None, work=torch.zeros(16),
+    )  # fmt: skip
+    for fmt, algorithm in (("pici", "ring"), ("coo", "direct"), ("auto", "auto"), ("auto", "ring"), ("pici", "auto")):
+        bench._call(bench._Method(f"{fmt}/{algorithm}", fmt, algorithm), case, env)
+    bench._call(bench._Method("coo/hierarchical", "coo", "hierarchical"), case, env)
+    assert groups == [own, own, None, None, None, None]
