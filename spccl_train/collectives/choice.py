@@ -363,9 +363,9 @@ either side of the tie:
   instead, 1.15x native's time.
 
 A trial costs at most :data:`~.feedback.TRIAL_RUNS` calls per candidate, density octave, size
-class and element type (one more where it includes its kind's warm-up), each predicted at most this
-fraction slower than the choice. The
-hierarchical call is neither tried nor left for a trial (its steps choose their own)."""
+class and element type (one more where it includes its kind's warm-up), each predicted at most
+this fraction slower than the choice. The hierarchical call is neither tried nor left for a trial
+(its steps choose their own)."""
 
 
 def _gather_modes(setting: str, fmt: Format) -> tuple[str, ...]:

@@ -30,8 +30,8 @@ carry someone else's traffic), then the slowest rank's (MAX over the group; thro
 so every rank holds the same model and decides alike; a steady slowdown that a short probe does
 not see is the corrections' to learn (:mod:`.feedback`). The whole probe costs milliseconds on
 NVLink, tens of milliseconds on gloo and up to a few seconds over sockets (4 ranks as 4 emulated
-nodes), once per group and topology. Figures the probe cannot see (intra-node links when every node holds one rank,
-inter-node ones on one node) keep :meth:`CostModel.default`'s values.
+nodes), once per group and topology. Figures the probe cannot see (intra-node links when every
+node holds one rank, inter-node ones on one node) keep :meth:`CostModel.default`'s values.
 """
 
 from __future__ import annotations
