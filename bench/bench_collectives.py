@@ -36,20 +36,22 @@ a distinct seed per rank. ``input_sparsity`` and ``output_sparsity`` record what
 what the dense result holds.
 
 Timing: per point one verification call, ``--warmup`` untimed calls (``auto`` methods with
-``--settle N``: up to N more, until two calls in a row run the same candidate, neither a trial
-of a near-tied one; the CSV's ``settle`` says how many), then ``--iters`` timed
+``--settle N``: up to N more, until two calls in a row run the same candidate, neither a trial of a
+near-tied one, with the same predictions within 2% (the model did not move between them: a kind's
+first observation reaches it two calls after it ran, so the first two equal choices at a new size
+class can precede all its learning); the CSV's ``settle`` says how many), then ``--iters`` timed
 calls (``--iters-large`` at >= 256 MiB), each after an untimed copy of the pristine input (an
-all-reduce works in place), a device sync and a barrier, and timed on the host up to a device
-sync (the calls synchronise the host once or twice themselves, so host time is what a caller
-waits). Reported: the median over iterations of the slowest rank's time. The counts shrink so
-that a point takes about ``--point-budget-s`` when its first call is slow. ``predicted_ms`` is
-the cost model's prediction for the plan that ran (for ``nccl``, the model's native-dense
-prediction from the ``auto/auto`` call); ``chosen`` is what the first call ran, and
-``a>b`` when later calls of the point ran ``b`` (``auto``'s measured model corrects itself from
-the calls it observes: ``spccl_train/collectives/feedback.py``; the run ends by printing what it
-learned, also in the CSV's ``corrections``); ``bytes_ratio`` is bytes sent over a dense ring's,
-summed over ranks. Memory per rank: the input, its working copy or the output, the reference
-and the tolerance (4 full-size buffers for a 1 GiB all-reduce), freed after each case.
+all-reduce works in place), a device sync and a barrier, and timed on the host up to a device sync
+(the calls synchronise the host once or twice themselves, so host time is what a caller waits).
+Reported: the median over iterations of the slowest rank's time. The counts shrink so that a point
+takes about ``--point-budget-s`` when its first call is slow. ``predicted_ms`` is the cost model's
+prediction for the plan that ran (for ``nccl``, the model's native-dense prediction from the
+``auto/auto`` call); ``chosen`` is what the first call ran, and ``a>b`` when later calls of the
+point ran ``b`` (``auto``'s measured model corrects itself from the calls it observes:
+``spccl_train/collectives/feedback.py``; the run ends by printing what it learned, also in the
+CSV's ``corrections``); ``bytes_ratio`` is bytes sent over a dense ring's, summed over ranks.
+Memory per rank: the input, its working copy or the output, the reference and the tolerance (4
+full-size buffers for a 1 GiB all-reduce), freed after each case.
 
 Verification of every point, on its first and last call, against the dense collective of the
 same inputs: all-gather bit for bit; all-reduce and reduce-scatter within 2 x world x unit
@@ -179,7 +181,8 @@ class _Settings:
     warmup: int
     settle: int
     """``auto`` methods: more untimed calls, at most this many, until two calls in a row run the
-    same candidate (the measured model settles on a choice, as a training run's repeated buckets let it)."""
+    same candidate with the same predictions (the measured model settles on a choice, as a training
+    run's repeated buckets let it)."""
     iters: int
     iters_large: int
     point_budget_s: float
@@ -843,6 +846,11 @@ def _timed_call(
     return time.perf_counter() - start, stats, sent
 
 
+def _same_weighing(before: dict[str, float], now: dict[str, float]) -> bool:
+    """Whether two calls' predictions by candidate agree within 2% (equal on every rank)."""
+    return before.keys() == now.keys() and all(abs(now[k] - v) <= 0.02 * v for k, v in before.items())
+
+
 def _clean(stats: CollectiveStats | None) -> bool:
     return stats is None or stats.decode_status is None or int(stats.decode_status.max()) == 0
 
@@ -912,7 +920,7 @@ def _measure(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _R
         warmup += more
         if stats is not None and "auto" in (method.fmt, method.algorithm):
             # Every rank decides alike, so every rank leaves this loop at the same call.
-            last = ""
+            last, weighed = "", {}
             while row.settle < settings.settle:
                 _, stats, _ = _timed_call(method, case, env)
                 row.settle += 1
@@ -922,9 +930,9 @@ def _measure(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _R
                 if stats.trial:  # auto tries a near-tied candidate: not yet settled
                     last = ""
                     continue
-                if now == last:
+                if now == last and _same_weighing(weighed, stats.candidates):
                     break
-                last = now
+                last, weighed = now, dict(stats.candidates)
         for _ in range(iters):
             seconds, stats, _ = _timed_call(method, case, env)
             times.append(seconds)

@@ -154,15 +154,21 @@ def test_hierarchical_methods_run_on_request(tmp_path):
     assert all(r["verified"] == "True" for r in rows)
 
 
-def test_methods_that_choose_nothing_run_on_a_group_of_their_own(monkeypatch):
+@pytest.fixture
+def bench(monkeypatch):
+    """The benchmark's module, imported as its script runs."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))  # its helpers, as when it runs as a script
+    spec = importlib.util.spec_from_file_location("bench_collectives_under_test", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_methods_that_choose_nothing_run_on_a_group_of_their_own(bench, monkeypatch):
     """What a fixed method's calls teach the measured model's corrections (per group) is not
     auto's to use: in training auto learns from its own calls alone. The hierarchical algorithm
     makes its node subgroups from the default group and stays there."""
-    monkeypatch.syspath_prepend(str(BENCH.parent))  # its helpers, as when it runs as a script
-    spec = importlib.util.spec_from_file_location("bench_collectives_under_test", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
     groups = []
     monkeypatch.setattr(bench.spccl_train, "all_reduce", lambda tensor, group=None, config=None: groups.append(group))
     monkeypatch.setattr(bench, "last_stats", lambda: None)
@@ -176,3 +182,12 @@ def test_methods_that_choose_nothing_run_on_a_group_of_their_own(monkeypatch):
         bench._call(bench._Method(f"{fmt}/{algorithm}", fmt, algorithm), case, env)
     bench._call(bench._Method("coo/hierarchical", "coo", "hierarchical"), case, env)
     assert groups == [own, own, None, None, None, None]
+
+
+def test_auto_settles_when_its_predictions_stop_moving(bench):
+    """Two equal choices in a row settle auto only if the model did not move between them."""
+    before = {"direct/pici": 10.0, "direct/coo": 11.0, "native/dense": 40.0}
+    assert bench._same_weighing(before, {"direct/pici": 10.19, "direct/coo": 10.8, "native/dense": 40.5})
+    assert not bench._same_weighing(before, {"direct/pici": 10.3, "direct/coo": 11.0, "native/dense": 40.0})
+    assert not bench._same_weighing(before, {"direct/pici": 10.0, "direct/coo": 11.0})
+    assert not bench._same_weighing({}, before)  # the first call of a run of equal choices
