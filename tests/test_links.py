@@ -598,7 +598,7 @@ def test_the_fit_grows_past_a_slow_start_up(monkeypatch):
 @pytest.mark.parametrize("delayed", [0, 1, 2])
 def test_the_fit_takes_each_sizes_fastest_repeat(monkeypatch, delayed):
     """A shared socket only ever delays a transfer: repeats that waited for someone else's traffic
-    (here all but one, at every size) leave the fitted link as it is."""
+    (here none, one or two of the three, at every size) leave the fitted link as it is."""
     start_up, rate, repeats = 3e-3, 1.3e9, []
 
     def make(nbytes):
