@@ -39,11 +39,14 @@ Timing: per point one verification call, ``--warmup`` untimed calls (``auto`` me
 ``--settle N``: up to N more, until two calls in a row run the same candidate, neither a trial of a
 near-tied one, with the same predictions within 2% (the model did not move between them: a kind's
 first observation reaches it two calls after it ran, so the first two equal choices at a new size
-class can precede all its learning); the CSV's ``settle`` says how many), then ``--iters`` timed
-calls (``--iters-large`` at >= 256 MiB), each after an untimed copy of the pristine input (an
-all-reduce works in place), a device sync and a barrier, and timed on the host up to a device sync
-(the calls synchronise the host once or twice themselves, so host time is what a caller waits).
-Reported: the median over iterations of the slowest rank's time. The counts shrink so that a point
+class can precede all its learning); the CSV's ``settle`` says how many). Once every method of
+a case is ready, their ``--iters`` timed calls (``--iters-large`` at >= 256 MiB) go in turns, one
+call of each method per turn, so that all methods are timed across the same windows (over sockets
+one plan's time moves by 10-15% between windows a minute apart). Each timed call comes after an
+untimed copy of the pristine input (an all-reduce works in place), a device sync and a barrier,
+and is timed on the host up to a device sync (the calls synchronise the host once or twice
+themselves, so host time is what a caller waits). Reported: the median over iterations of the
+slowest rank's time. The counts shrink so that a point
 takes about ``--point-budget-s`` when its first call is slow. ``predicted_ms`` is the cost model's
 prediction for the plan that ran (for ``nccl``, the model's native-dense prediction from the
 ``auto/auto`` call); ``chosen`` is what the first call ran, and ``a>b`` when later calls of the
@@ -289,8 +292,8 @@ class _Row:
     choice_vs_best: float | None = None
     """``auto/auto`` rows whose timed calls ran one fixed candidate: that candidate's own time
     (its fixed method's row) over the best fixed candidate's. Against :attr:`auto_vs_best` it tells
-    a wrong choice from the right one timed in another window (over sockets the same plan's time
-    moves by 10-15% between windows a minute apart)."""
+    a wrong choice from the right one that cost more as ``auto``'s call (its planning, its model's
+    exchanges)."""
     exchanges: str = ""
     """The spccl calls' planning exchanges, per timed call (``"1 1 2"``): an all-reduce whose gather
     phase was measured pays a second one, a call run native under ``check_calls="first"`` none."""
@@ -864,9 +867,25 @@ def _thresholds_text(method: _Method) -> str:
     return f"{th.intra:.3g}/{th.inter:.3g}/{th.ag:.3g}"
 
 
-def _measure(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _Row:
-    """Verify, warm up and time one method on one case; every number is agreed across ranks."""
-    row = _Row(
+@dataclasses.dataclass(slots=True)
+class _Point:
+    """One method at one case, between its untimed calls and its timed ones."""
+
+    method: _Method
+    row: _Row
+    iters: int = 0
+    ok: bool = True
+    """This rank's verification so far (agreed over ranks when the point closes)."""
+    error: str = ""
+    """Why the point failed (the same on every rank: a failure reaches every rank's next gate)."""
+    sent: int = 0
+    dense: int = 0
+    peak: float = 0.0
+    times: list[float] = dataclasses.field(default_factory=list)
+
+
+def _new_row(method: _Method, case: _Case) -> _Row:
+    return _Row(
         collective=case.collective,
         method=method.name,
         fmt=method.fmt,
@@ -881,17 +900,33 @@ def _measure(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _R
         input_sparsity=case.input_sparsity,
         output_sparsity=case.output_sparsity,
     )
+
+
+def _failed(point: _Point, env: _Env, exc: Exception) -> None:
+    """Record a failure of this rank's call (and meet the peers' next gate) or of a peer's."""
+    if isinstance(exc, _PeerFailed):
+        point.error = "failed on another rank"
+        return
+    point.error = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300]
+    print(
+        f"rank {env.rank}: {point.row.collective} {point.method.label} failed: {point.error}",
+        file=sys.stderr,
+        flush=True,
+    )
+    _gate(env, failed=True)
+
+
+def _ready(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _Point:
+    """Verify one method on one case, warm it up (``auto``: let it settle) and size its timed calls."""
+    point = _Point(method, _new_row(method, case))
+    row = point.row
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
-    ok, error = True, ""
-    times: list[float] = []
-    warmup = iters = 0
-    sent = dense = 0
     try:
         first, stats, naive_sent = _timed_call(method, case, env, poison=True)
-        ok = _matches(case) and _clean(stats)
+        point.ok = _matches(case) and _clean(stats)
         if stats is not None:
-            sent, dense = stats.bytes_sent, stats.dense_bytes
+            point.sent, point.dense = stats.bytes_sent, stats.dense_bytes
             row.predicted_ms = 1e3 * stats.predicted_s
             row.chosen = f"{stats.algorithm}/{stats.format.value}"
             if stats.plan is not None:
@@ -901,23 +936,23 @@ def _measure(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _R
             if native is not None:
                 row.native_predicted_ms = 1e3 * native
         else:
-            sent = naive_sent if method.name == "naive_coo" else _dense_bytes(case.collective, case, env.world)
-            dense = _dense_bytes(case.collective, case, env.world)
+            point.dense = _dense_bytes(case.collective, case, env.world)
+            point.sent = naive_sent if method.name == "naive_coo" else point.dense
             row.chosen = "native/dense" if method.name == "nccl" else "naive/coo"
         # Size the rest of the point by the first warm-up call where there is one: the first call of a
         # method may include one-time setup (NCCL creates its point-to-point communicators lazily).
-        estimate, warmup = first, 0
+        estimate = first
         if settings.warmup:
             estimate, _, _ = _timed_call(method, case, env)
-            warmup = 1
+            row.warmup = 1
         estimate = _gate(env, value=estimate)
         want = settings.iters_large if case.size_bytes >= _LARGE else settings.iters
-        left = int(settings.point_budget_s / max(estimate, 1e-9)) - 1 - warmup
-        iters = max(1, min(want, left))
-        more = max(0, min(settings.warmup - warmup, left - iters))
+        left = int(settings.point_budget_s / max(estimate, 1e-9)) - 1 - row.warmup
+        point.iters = max(1, min(want, left))
+        more = max(0, min(settings.warmup - row.warmup, left - point.iters))
         for _ in range(more):
             _timed_call(method, case, env)
-        warmup += more
+        row.warmup += more
         if stats is not None and "auto" in (method.fmt, method.algorithm):
             # Every rank decides alike, so every rank leaves this loop at the same call.
             last, weighed = "", {}
@@ -933,46 +968,76 @@ def _measure(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _R
                 if now == last and _same_weighing(weighed, stats.candidates):
                     break
                 last, weighed = now, dict(stats.candidates)
-        for _ in range(iters):
-            seconds, stats, _ = _timed_call(method, case, env)
-            times.append(seconds)
-            ok = ok and _clean(stats)
-            if stats is not None:  # auto may change its mind as its model learns from observed calls
-                now = f"{stats.algorithm}/{stats.format.value}"
-                if not row.chosen.endswith(now):
-                    row.chosen = f"{row.chosen}>{now}"
-                if not row.timed_chosen.endswith(now):
-                    row.timed_chosen = f"{row.timed_chosen}>{now}".lstrip(">")
-                row.exchanges = f"{row.exchanges} {stats.exchanges}".strip()
-                if stats.gather_counts and not row.gather_counts.endswith(stats.gather_counts):
-                    row.gather_counts = f"{row.gather_counts}>{stats.gather_counts}".lstrip(">")
-        ok = ok and _matches(case)
-        if case.collective != "all_reduce":
-            ok = ok and _bits_sum(case.x0) == case.fingerprint
         _gate(env)
-    except _PeerFailed:
-        ok, error = False, "failed on another rank"
     except Exception as exc:  # noqa: BLE001 (record the failure in the table and go on with the next point)
-        ok, error = False, f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300]
-        print(f"rank {env.rank}: {case.collective} {method.label} failed: {error}", file=sys.stderr, flush=True)
-        _gate(env, failed=True)
-    peak = torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else 0.0
+        _failed(point, env, exc)
+    point.peak = torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else 0.0
+    return point
+
+
+def _note_timed(point: _Point, seconds: float, stats: CollectiveStats | None) -> None:
+    row = point.row
+    point.times.append(seconds)
+    point.ok = point.ok and _clean(stats)
+    if stats is not None:  # auto may change its mind as its model learns from observed calls
+        now = f"{stats.algorithm}/{stats.format.value}"
+        if not row.chosen.endswith(now):
+            row.chosen = f"{row.chosen}>{now}"
+        if not row.timed_chosen.endswith(now):
+            row.timed_chosen = f"{row.timed_chosen}>{now}".lstrip(">")
+        row.exchanges = f"{row.exchanges} {stats.exchanges}".strip()
+        if stats.gather_counts and not row.gather_counts.endswith(stats.gather_counts):
+            row.gather_counts = f"{row.gather_counts}>{stats.gather_counts}".lstrip(">")
+
+
+def _time_in_turn(points: list[_Point], case: _Case, env: _Env) -> None:
+    """The timed calls of every ready point, in turns: one call of each method per turn, so that
+    every method is timed across the same windows. Over sockets one plan's time moves by 10-15%
+    between windows a minute apart: timed one method after another, the same plan ran 1.17x
+    slower as ``auto``'s calls than as its fixed method's (bench/results/2026-11-26_seventeenth/).
+
+    A point is verified again after its last call. A failure stops the case's timed calls on every
+    rank (each rank's next gate raises), and every point it left short fails with it.
+    """
+    live = [p for p in points if not p.error]  # the same on every rank
+    current: _Point | None = None
+    try:
+        for turn in range(max((p.iters for p in live), default=0)):
+            for current in (p for p in live if turn < p.iters):
+                seconds, stats, _ = _timed_call(current.method, case, env)
+                _note_timed(current, seconds, stats)
+                if turn == current.iters - 1:
+                    current.ok = current.ok and _matches(case)
+                    if case.collective != "all_reduce":
+                        current.ok = current.ok and _bits_sum(case.x0) == case.fingerprint
+        _gate(env)
+    except Exception as exc:  # noqa: BLE001 (the case's rows say what failed)
+        assert current is not None  # the gates that raise are the calls'
+        _failed(current, env, exc)
+        for p in live:
+            if not p.error and len(p.times) < p.iters:
+                p.error = f"not timed: {current.method.label} failed in the timed calls"
+
+
+def _close(point: _Point, case: _Case, env: _Env, settings: _Settings) -> _Row:
+    """Agree the point's numbers over ranks and fill its row (every rank, every point, in order)."""
+    row = point.row
     # A fixed length on every rank, even one that failed part way.
     cap = max(settings.iters, settings.iters_large)
-    padded = times[:cap] + [0.0] * (cap - len(times))
-    agreed = _reduce(env, [*padded, float(len(times)), 0.0 if ok else 1.0, peak], dist.ReduceOp.MAX)
-    totals = _reduce(env, [float(sent), float(dense)], dist.ReduceOp.SUM)
-    failed = agreed[cap + 1] != 0.0
+    padded = point.times[:cap] + [0.0] * (cap - len(point.times))
+    failed = 1.0 if point.error or not point.ok else 0.0
+    agreed = _reduce(env, [*padded, float(len(point.times)), failed, point.peak], dist.ReduceOp.MAX)
+    totals = _reduce(env, [float(point.sent), float(point.dense)], dist.ReduceOp.SUM)
     per_iter = [1e3 * t for t in agreed[: int(agreed[cap])]]
-    if per_iter and not failed:
+    row.verified = agreed[cap + 1] == 0.0
+    if per_iter and row.verified:
         row.time_ms = statistics.median(per_iter)
         row.time_min_ms, row.time_max_ms = min(per_iter), max(per_iter)
-    row.verified = not failed
     row.peak_mem_gib = agreed[cap + 2]
     row.bytes_sent, row.dense_bytes = int(totals[0]), int(totals[1])
-    row.warmup, row.iters = warmup, iters
-    if error:
-        row.error = error
+    row.iters = point.iters
+    if point.error:
+        row.error = point.error
     seconds = row.time_ms / 1e3
     row.algbw = case.size_bytes / seconds / 1e9 if seconds > 0 else math.nan
     factor = 2 * (env.world - 1) / env.world if case.collective == "all_reduce" else (env.world - 1) / env.world
@@ -981,18 +1046,20 @@ def _measure(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _R
 
 
 def _run_case(case: _Case, methods: list[_Method], env: _Env, settings: _Settings, on_row: Callable[[_Row], None]):
-    rows: list[_Row] = []
+    """Every method of one case: each verified, warmed up and settled in turn, then all timed in turns."""
+    points = [_ready(method, case, env, settings) for method in methods]
+    _time_in_turn(points, case, env)
+    rows = [_close(point, case, env, settings) for point in points]
     base: dict[str, _Row] = {}
-    for method in methods:
-        row = _measure(method, case, env, settings)
+    for row in rows:
         if "nccl" in base and base["nccl"].predicted_ms is None:
             base["nccl"].predicted_ms = row.native_predicted_ms
-        if method.name in ("nccl", "naive_coo"):
-            base[method.name] = row
+        if row.method in ("nccl", "naive_coo"):
+            base[row.method] = row
+    for row in rows:
         for name, attr in (("nccl", "speedup_vs_nccl"), ("naive_coo", "speedup_vs_naive")):
-            if name in base and method.name != name and base[name].verified and row.verified:
+            if name in base and row.method != name and base[name].verified and row.verified:
                 setattr(row, attr, base[name].time_ms / row.time_ms)
-        rows.append(row)
         on_row(row)
     return rows
 
@@ -1300,7 +1367,7 @@ def _auto_summary(rows: list[_Row]) -> None:
         f"{'PASS' if not over else 'FAIL'} ({len(rated) - len(over)} of {len(rated)}; worst {worst.auto_vs_best:.2f}x at "
         f"{worst.collective} {benchlib.size_label(worst.size_bytes)} {worst.sparsity:g}%, chose {worst.chosen or '-'})"
     )
-    if over:  # a wrong choice, or the right one timed in another window
+    if over:  # a wrong choice, or the right one at a cost of its own
         same = [r for r in over if r.choice_vs_best is not None and r.choice_vs_best <= _AUTO_WITHIN]
         print(
             f"  of the {len(over)} beyond: {len(same)} ran a candidate whose own fixed time was within "
@@ -1387,7 +1454,8 @@ def _main(settings: _Settings, env: _Env) -> int:
         print(
             f"{len(cases)} cases x {len(methods)} methods; per point: 1 verification call, {settings.warmup} warm-up, "
             f"median of {settings.iters} timed calls ({settings.iters_large} at >= {benchlib.size_label(_LARGE)}) of the "
-            f"slowest rank; barrier before each call; sizes: all-reduce tensor, all-gather output, reduce-scatter input"
+            f"slowest rank, the methods in turns; barrier before each call; sizes: all-reduce tensor, all-gather output, "
+            f"reduce-scatter input"
         )
         print(_HEADER, flush=True)
 

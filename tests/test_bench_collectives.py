@@ -191,3 +191,56 @@ def test_auto_settles_when_its_predictions_stop_moving(bench):
     assert not bench._same_weighing(before, {"direct/pici": 10.3, "direct/coo": 11.0, "native/dense": 40.0})
     assert not bench._same_weighing(before, {"direct/pici": 10.0, "direct/coo": 11.0})
     assert not bench._same_weighing({}, before)  # the first call of a run of equal choices
+
+
+@pytest.fixture
+def one_rank(bench, monkeypatch):
+    """The benchmark's point loop in one process: gates and reductions of one rank, calls recorded
+    (``calls``: the methods in the order they ran; ``fail``: method -> the call of it that raises)."""
+    calls, fail = [], {}
+
+    def call(method, case, env):
+        calls.append(method.name)
+        if fail.get(method.name) == calls.count(method.name):
+            raise RuntimeError(f"{method.name} broke")
+        return None, 0
+
+    monkeypatch.setattr(bench, "_call", call)
+    monkeypatch.setattr(bench, "_gate", lambda env, failed=False, value=0.0: value)
+    monkeypatch.setattr(bench, "_reduce", lambda env, values, op: list(values))
+    monkeypatch.setattr(bench, "_matches", lambda case: True)
+    env = bench._Env(rank=0, world=2, device=torch.device("cpu"), backend="gloo", fixed_group=None)
+    case = bench._Case(
+        collective="all_reduce", dtype_name="fp32", dtype=torch.float32, pattern="iid", sparsity=99.0,
+        size_bytes=64, x0=torch.zeros(16), fingerprint=0, ref=torch.zeros(16), tol=None, work=torch.zeros(16),
+    )  # fmt: skip
+    settings = bench._settings(["--smoke", "--iters", "3", "--warmup", "1", "--methods", "nccl,pici/ring,coo/direct"])
+    methods = bench._methods(settings)
+    assert [m.name for m in methods] == ["nccl", "pici/ring", "coo/direct"]
+
+    def run():
+        return bench._run_case(case, methods, env, settings, lambda row: None)
+
+    return run, calls, fail
+
+
+def test_methods_are_timed_in_turns(one_rank):
+    """Each method is verified and warmed up on its own, then the timed calls go one of each method
+    per turn: every method sees the same windows of a link whose speed drifts."""
+    run, calls, _ = one_rank
+    rows = run()
+    ready = ["nccl", "nccl", "pici/ring", "pici/ring", "coo/direct", "coo/direct"]  # verification, warm-up
+    assert calls == ready + ["nccl", "pici/ring", "coo/direct"] * 3
+    assert all(r.verified and r.iters == 3 and r.time_ms > 0 and not r.error for r in rows), rows
+
+
+def test_a_failed_timed_call_stops_the_turns(one_rank):
+    """A failure in the timed calls stops them for the case: the failing method says why, and the
+    methods it left short fail with it instead of being timed over fewer windows."""
+    run, calls, fail = one_rank
+    fail["pici/ring"] = 4  # verification, warm-up, timed call 1, timed call 2
+    rows = {r.method: r for r in run()}
+    assert calls[6:] == ["nccl", "pici/ring", "coo/direct", "nccl", "pici/ring"]
+    assert rows["pici/ring"].error == "RuntimeError: pici/ring broke"
+    assert rows["nccl"].error == rows["coo/direct"].error == "not timed: pici/ring failed in the timed calls"
+    assert not any(r.verified for r in rows.values())
