@@ -81,6 +81,10 @@ struct Unit {
 #pragma unroll
     for (int u = 0; u < kTiles; ++u) part[u].prepare(s, unit * kTiles + u);
   }
+  __device__ __forceinline__ void finish(const typename Tile::Source& s) const {
+#pragma unroll
+    for (int u = 0; u < kTiles; ++u) part[u].finish(s);
+  }
   __device__ __forceinline__ uint32_t count_nonzero() const {
     uint32_t count = 0;
 #pragma unroll
@@ -384,6 +388,7 @@ __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kern
     }
   }
   copy_out(stage_s, pending, pending_base, pending_values, pending_room);
+  regs.finish(source);
 }
 
 // What a decoder does with the destination range.
