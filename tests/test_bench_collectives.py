@@ -66,17 +66,19 @@ def test_smoke_grid(tmp_path):
             assert r["predicted_ms"] != "" and float(r["speedup_vs_naive"]) > 0, r
     # auto's rows rate its time and, where its timed calls ran one candidate, that candidate's own
     fixed = ("nccl", "pici/ring", "pici/direct", "coo/ring", "coo/direct")
-    times = {}
+    times, fastest = {}, {}
     for r in rows:
         if r["method"] in fixed:
-            times.setdefault((r["collective"], r["pattern"], r["size_bytes"], r["sparsity"]), {})[r["method"]] = float(
-                r["time_ms"]
-            )
+            at = (r["collective"], r["pattern"], r["size_bytes"], r["sparsity"])
+            times.setdefault(at, {})[r["method"]] = float(r["time_ms"])
+            fastest.setdefault(at, {})[r["method"]] = float(r["time_min_ms"])
     for r in (r for r in rows if r["method"] == "auto/auto"):
         at = times[(r["collective"], r["pattern"], r["size_bytes"], r["sparsity"])]
         ran = r["timed_chosen"].split(">")
         assert ran[0] and all(name in r["chosen"] for name in ran), r
         assert float(r["auto_vs_best"]) == pytest.approx(float(r["time_ms"]) / min(at.values()), rel=1e-3), r
+        best = fastest[(r["collective"], r["pattern"], r["size_bytes"], r["sparsity"])][min(at, key=at.get)]
+        assert float(r["fastest_vs_best"]) == pytest.approx(float(r["time_min_ms"]) / best, rel=1e-3), r
         if len(ran) == 1:
             algorithm, fmt = ran[0].split("/")
             own = at["nccl" if algorithm == "native" else f"{fmt}/{algorithm}"]
