@@ -44,7 +44,7 @@ python3 -c 'import importlib.metadata as m; m.version("spccl-train")' 2> /dev/nu
   || SPCCL_NO_BUILD_EXT=1 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
   || { cat "$OUT/install.log"; exit 100; }
 sweep_grid=(--collectives all_reduce --sizes 64M,256M,1G --sparsities 90,95,99,99.9
-  --methods nccl,auto/auto,pici/ring,pici/direct,coo/ring,coo/direct --iters 5 --iters-large 3 --warmup 1 --settle 8
+  --methods nccl,auto/auto,pici/ring,pici/direct,coo/ring,coo/direct --iters 5 --iters-large 5 --warmup 1 --settle 8
   --point-budget-s 4 --no-plot --out-dir "$OUT")
 
 while [ $# -gt 0 ]; do
