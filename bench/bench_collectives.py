@@ -592,7 +592,11 @@ def _sync(env: _Env) -> None:
 
 
 class _PeerFailed(Exception):
-    """Another rank failed the current point."""
+    """Another rank failed the current point (``value``: what the failing rank passed its gate)."""
+
+    def __init__(self, value: float = 0.0) -> None:
+        super().__init__(value)
+        self.value = value
 
 
 def _gate(env: _Env, failed: bool = False, value: float = 0.0) -> float:
@@ -607,7 +611,7 @@ def _gate(env: _Env, failed: bool = False, value: float = 0.0) -> float:
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     flag, top = t.tolist()  # waits for every rank: the barrier
     if flag and not failed:
-        raise _PeerFailed
+        raise _PeerFailed(top)
     return top
 
 
@@ -882,7 +886,8 @@ class _Point:
     ok: bool = True
     """This rank's verification so far (agreed over ranks when the point closes)."""
     error: str = ""
-    """Why the point failed (the same on every rank: a failure reaches every rank's next gate)."""
+    """Why the point failed: the exception where it was raised, "failed on another rank" on the other
+    ranks (a failure reaches every rank's next gate, so every rank fails the same points)."""
     sent: int = 0
     dense: int = 0
     peak: float = 0.0
@@ -907,18 +912,19 @@ def _new_row(method: _Method, case: _Case) -> _Row:
     )
 
 
-def _failed(point: _Point, env: _Env, exc: Exception) -> None:
-    """Record a failure of this rank's call (and meet the peers' next gate) or of a peer's."""
+def _failed(point: _Point, env: _Env, exc: Exception, value: float = 0.0) -> float:
+    """Record a failure of this rank's call and meet the peers' next gate with ``value``, or a
+    peer's failure; returns the failing rank's ``value`` (the largest, where several failed)."""
     if isinstance(exc, _PeerFailed):
         point.error = "failed on another rank"
-        return
+        return exc.value
     point.error = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300]
     print(
         f"rank {env.rank}: {point.row.collective} {point.method.label} failed: {point.error}",
         file=sys.stderr,
         flush=True,
     )
-    _gate(env, failed=True)
+    return _gate(env, failed=True, value=value)
 
 
 def _ready(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _Point:
@@ -1005,26 +1011,39 @@ def _time_in_turn(points: list[_Point], case: _Case, env: _Env) -> None:
     bench/results/2026-11-26_seventeenth/).
 
     A point is verified again after its last call. A failure stops the case's timed calls on every
-    rank (each rank's next gate raises), and every point it left short fails with it.
+    rank: the failing rank's gate carries the failing point's place, which the others' next gate
+    raises with (a later call's, perhaps), so that every rank blames the same point; every point
+    the failure left short fails with it.
     """
     live = [p for p in points if not p.error]  # the same on every rank
     current: _Point | None = None
     try:
         for turn in range(max((p.iters for p in live), default=0)):
             for current in (p for p in live if turn < p.iters):
+                if env.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(env.device)
                 seconds, stats, _ = _timed_call(current.method, case, env)
                 _note_timed(current, seconds, stats)
+                if env.device.type == "cuda":
+                    current.peak = max(current.peak, torch.cuda.max_memory_allocated(env.device) / 2**30)
                 if turn == current.iters - 1:
                     current.ok = current.ok and _matches(case)
                     if case.collective != "all_reduce":
                         current.ok = current.ok and _bits_sum(case.x0) == case.fingerprint
         _gate(env)
     except Exception as exc:  # noqa: BLE001 (the case's rows say what failed)
-        assert current is not None  # the gates that raise are the calls'
-        _failed(current, env, exc)
+        if current is None:  # no timed call was made: nothing of the case's to blame
+            raise
+        if isinstance(exc, _PeerFailed):
+            place = exc.value
+        else:
+            place = _failed(current, env, exc, value=1 + next(i for i, p in enumerate(live) if p is current))
+        blamed = live[int(place) - 1] if 1 <= place <= len(live) else current
+        if not blamed.error:
+            blamed.error = "failed on another rank"
         for p in live:
             if not p.error and len(p.times) < p.iters:
-                p.error = f"not timed: {current.method.label} failed in the timed calls"
+                p.error = f"not timed: {blamed.method.label} failed in the timed calls"
 
 
 def _close(point: _Point, case: _Case, env: _Env, settings: _Settings) -> _Row:
@@ -1380,8 +1399,8 @@ def _auto_summary(rows: list[_Row]) -> None:
     )
     slow = [r for r in rated if r.fastest_vs_best > _AUTO_WITHIN]
     print(
-        f"  on the fastest timed calls (auto's against the best candidate's): {len(rated) - len(slow)} of "
-        f"{len(rated)}; worst {max(r.fastest_vs_best for r in rated):.2f}x"
+        f"  within {_AUTO_WITHIN - 1:.0%} on the fastest timed calls (auto's against the best candidate's): "
+        f"{len(rated) - len(slow)} of {len(rated)}; worst {max(r.fastest_vs_best for r in rated):.2f}x"
     )
     if over:  # a wrong choice, or the right one at a cost of its own
         same = [r for r in over if r.choice_vs_best is not None and r.choice_vs_best <= _AUTO_WITHIN]

@@ -207,8 +207,14 @@ def one_rank(bench, monkeypatch):
             raise RuntimeError(f"{method.name} broke")
         return None, 0
 
+    def gate(env, failed=False, value=0.0):
+        # "peer": (calls made, the failing rank's value): a peer failed after that many calls
+        if "peer" in fail and fail["peer"][0] == len(calls):
+            raise bench._PeerFailed(fail.pop("peer")[1])
+        return value
+
     monkeypatch.setattr(bench, "_call", call)
-    monkeypatch.setattr(bench, "_gate", lambda env, failed=False, value=0.0: value)
+    monkeypatch.setattr(bench, "_gate", gate)
     monkeypatch.setattr(bench, "_reduce", lambda env, values, op: list(values))
     monkeypatch.setattr(bench, "_matches", lambda case: True)
     env = bench._Env(rank=0, world=2, device=torch.device("cpu"), backend="gloo", fixed_group=None)
@@ -246,3 +252,14 @@ def test_a_failed_timed_call_stops_the_turns(one_rank):
     assert rows["pici/ring"].error == "RuntimeError: pici/ring broke"
     assert rows["nccl"].error == rows["coo/direct"].error == "not timed: pici/ring failed in the timed calls"
     assert not any(r.verified for r in rows.values())
+
+
+def test_a_peers_failure_is_blamed_on_its_method(one_rank):
+    """A rank whose peer failed meets the failure at its own next call, perhaps another method's:
+    it blames the method the failing rank named, as the failing rank does."""
+    run, calls, fail = one_rank
+    fail["peer"] = (11, 2.0)  # the peer failed in pici/ring's second timed call (the 11th call)
+    rows = {r.method: r for r in run()}
+    assert len(calls) == 11  # coo/direct's call of that turn was not made
+    assert rows["pici/ring"].error == "failed on another rank"
+    assert rows["nccl"].error == rows["coo/direct"].error == "not timed: pici/ring failed in the timed calls"
