@@ -291,8 +291,8 @@ class _Row:
     changed), without the verification, warm-up and settling calls that :attr:`chosen` includes."""
     fastest_vs_best: float | None = None
     """``auto/auto`` rows: their fastest timed call over the fastest of the best fixed candidate's
-    (the candidate with the best median). Over sockets a call now and then takes 15-30 ms longer
-    than its like (every method alike); with few timed calls this tells such hiccups from a cost
+    (the candidate with the best median). Over sockets a call now and then stalls 15-30 ms longer
+    than its like (every method alike); with few timed calls this tells such stalls from a cost
     every call of ``auto`` pays."""
     choice_vs_best: float | None = None
     """``auto/auto`` rows whose timed calls ran one fixed candidate: that candidate's own time
