@@ -198,7 +198,9 @@ def test_auto_settles_when_its_predictions_stop_moving(bench):
 @pytest.fixture
 def one_rank(bench, monkeypatch):
     """The benchmark's point loop in one process: gates and reductions of one rank, calls recorded
-    (``calls``: the methods in the order they ran; ``fail``: method -> the call of it that raises)."""
+    (``calls``: the methods in the order they ran; ``fail``: method -> the call of it that raises,
+    or ``"peer"`` -> (calls made, the failing rank's gate value): a peer's failure, met at the gate
+    after that many calls)."""
     calls, fail = [], {}
 
     def call(method, case, env):
