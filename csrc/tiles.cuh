@@ -194,7 +194,8 @@ struct PruneTile {
   // The launch's end: this thread's kept elements of every tile it prepared go to *kept, one
   // atomic per warp. An atomic per tile and warp, all on one address (8 per 4096 elements), had
   // cost the fused pass 7-30%: 1 GiB on H100, fp32 gradient with fp32 errors 1.338 -> 1.249 ms,
-  // bf16 with bf16 errors 0.966 -> 0.673 ms (bench/results/2026-11-26_seventeenth/).
+  // bf16 with bf16 errors 0.966 -> 0.673 ms, both trees timed at the benchmark's density then,
+  // 22% on average (bench/results/2026-11-26_seventeenth/).
   __device__ __forceinline__ void finish(const Source& s) const {
     const uint32_t kept = warp_sum(kept_);
     if ((threadIdx.x & 31) == 0 && kept) atomicAdd(s.kept, kept);
