@@ -882,7 +882,7 @@ class _Point:
 
     method: _Method
     row: _Row
-    iters: int = 0
+    """The point's row, filled as it goes (its ``warmup``, ``settle`` and ``iters`` here)."""
     ok: bool = True
     """This rank's verification so far (agreed over ranks when the point closes)."""
     error: str = ""
@@ -959,8 +959,8 @@ def _ready(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _Poi
         estimate = _gate(env, value=estimate)
         want = settings.iters_large if case.size_bytes >= _LARGE else settings.iters
         left = int(settings.point_budget_s / max(estimate, 1e-9)) - 1 - row.warmup
-        point.iters = max(1, min(want, left))
-        more = max(0, min(settings.warmup - row.warmup, left - point.iters))
+        row.iters = max(1, min(want, left))
+        more = max(0, min(settings.warmup - row.warmup, left - row.iters))
         for _ in range(more):
             _timed_call(method, case, env)
         row.warmup += more
@@ -1018,15 +1018,15 @@ def _time_in_turn(points: list[_Point], case: _Case, env: _Env) -> None:
     live = [p for p in points if not p.error]  # the same on every rank
     current: _Point | None = None
     try:
-        for turn in range(max((p.iters for p in live), default=0)):
-            for current in (p for p in live if turn < p.iters):
+        for turn in range(max((p.row.iters for p in live), default=0)):
+            for current in (p for p in live if turn < p.row.iters):
                 if env.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(env.device)
                 seconds, stats, _ = _timed_call(current.method, case, env)
                 _note_timed(current, seconds, stats)
                 if env.device.type == "cuda":
                     current.peak = max(current.peak, torch.cuda.max_memory_allocated(env.device) / 2**30)
-                if turn == current.iters - 1:
+                if turn == current.row.iters - 1:
                     current.ok = current.ok and _matches(case)
                     if case.collective != "all_reduce":
                         current.ok = current.ok and _bits_sum(case.x0) == case.fingerprint
@@ -1042,7 +1042,7 @@ def _time_in_turn(points: list[_Point], case: _Case, env: _Env) -> None:
         if not blamed.error:
             blamed.error = "failed on another rank"
         for p in live:
-            if not p.error and len(p.times) < p.iters:
+            if not p.error and len(p.times) < p.row.iters:
                 p.error = f"not timed: {blamed.method.label} failed in the timed calls"
 
 
@@ -1062,7 +1062,6 @@ def _close(point: _Point, case: _Case, env: _Env, settings: _Settings) -> _Row:
         row.time_min_ms, row.time_max_ms = min(per_iter), max(per_iter)
     row.peak_mem_gib = agreed[cap + 2]
     row.bytes_sent, row.dense_bytes = int(totals[0]), int(totals[1])
-    row.iters = point.iters
     if point.error:
         row.error = point.error
     seconds = row.time_ms / 1e3
