@@ -510,8 +510,11 @@ def test_auto_leaves_a_candidate_that_runs_far_slower_than_predicted(pools, tmp_
     picks = {name for name, trial in zip(chosen, trials) if not trial}
     tried = [name for name, trial in zip(chosen, trials) if trial]
     assert len(picks) == 1 and picks.isdisjoint(tried), first
-    # each twice, and once more for its kind's warm-up
-    assert all(tried.count(name) == feedback.TRIAL_RUNS + 1 for name in tried), first
+    # each at most twice, and once more for its kind's warm-up; fewer where what a call taught put
+    # it beyond the trial margin (the calls take up to 1.1x their prediction, and where the margin's
+    # edge lies depends on the links this run measured; the exact count is
+    # test_a_kinds_warm_up_is_no_run_of_a_trial's)
+    assert all(tried.count(name) <= feedback.TRIAL_RUNS + 1 for name in tried), first
     # taught that its first pick is slow, it leaves it
     got = pools(2).run(_job_learns, str(tmp_path), "first")
     assert all(g == got[0] for g in got), "ranks learned differently"
