@@ -583,12 +583,13 @@ __global__ void __launch_bounds__(kThreads, 4) pici_accumulate_kernel(
 // by swizzle % 4). Two buffers take turns, so one barrier per tile keeps a tile's writes off the
 // one its row stores still read. Empty tiles are zeroed without shared memory, and 16-bit tiles
 // with at most kScatterMax nonzeros are zeroed, then scattered.
-// `kBlocks`: resident blocks per SM (a register cap). 16-bit payloads of more than
-// kDenseColumnPercent nonzeros per 100 elements decode with kDenseColumnBlocks, others with
-// kColumnBlocks; both kernels are launched, and the one the payload's density does not suit
-// returns after reading nnz. Measured on H100 (1 GiB bf16, fraction of copy, 6 -> 8 blocks):
-// 0.82 -> 0.86 at 50% sparsity, 0.79-0.81 -> 0.83 at 75-95%, but 0.83 -> 0.81 at 97%, 0.84 ->
-// 0.80 at 99% and 0.86 -> 0.85 at 99.9%, where the tiles are zeroed and scattered.
+// `kBlocks`: resident blocks per SM (a register cap): kColumnBlocks for 32-bit elements,
+// kWideColumnBlocks for 16-bit ones. Measured on H100 (1 GiB bf16, fraction of copy, 6 -> 8
+// blocks): 0.82 -> 0.86 at 50% sparsity, 0.79-0.81 -> 0.83 at 75-95%. Sparse payloads, whose
+// tiles are zeroed and scattered, once lost at 8 (0.84 -> 0.80 at 99%) and took a second
+// kernel on 6, chosen on the device by density; since those tiles prefetch the next tile's
+// values they run as fast on 8 (0.83-0.84 at 99%, 0.86 at 99.9%), and one launch saves the
+// other's 4 us (0.83 -> 0.84 at 90%; bench/results/2026-11-27_eighteenth/).
 // `kMode` kAccumulate (16-bit payloads into their own type, the payload denser than
 // kSparsePercent): the tile is staged as for overwrite, and each 16-byte piece of a row that holds
 // a marked element is read, added to (add_marked) and written; pieces with none, and empty tiles,
@@ -635,9 +636,7 @@ __device__ __forceinline__ void prefetch_values(const V* values, uint32_t lo, ui
 }
 
 constexpr int kColumnBlocks = 6;
-constexpr int kDenseColumnBlocks = 8;
-constexpr int64_t kDenseColumnPercent = 4;
-static_assert(kColumnBlocks != kDenseColumnBlocks, "the two 16-bit column decoders must differ");
+constexpr int kWideColumnBlocks = 8;
 
 template <typename E, int kBlocks, int kMode>
 __global__ void __launch_bounds__(kThreads, kBlocks) pici_column_decode_kernel(
@@ -655,8 +654,6 @@ __global__ void __launch_bounds__(kThreads, kBlocks) pici_column_decode_kernel(
   const uint32_t* index = reinterpret_cast<const uint32_t*>(payload + index_offset);
   const V* values = reinterpret_cast<const V*>(payload + values_offset);
   const int64_t nnz = index[tiles];
-  if (kMode == kOverwrite && kWide && (100 * nnz > kDenseColumnPercent * n) != (kBlocks == kDenseColumnBlocks))
-    return;  // the other's
   const int64_t value_room = (capacity - values_offset) / int64_t(sizeof(V));
   if (nnz > n || nnz > value_room) {
     if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(status, kBadNnz);
@@ -940,14 +937,11 @@ void launch_column_decode(const uint8_t* payload, int64_t capacity, int64_t n, v
   check_launch("pici_column_decode_kernel");
 }
 
-// Overwrite: one column decoder for 32-bit elements; for 16-bit ones both go, and the one the
-// payload's density does not suit returns after reading nnz (kDenseColumnPercent).
 template <typename V>
 void launch_overwrite(const uint8_t* payload, int64_t capacity, int64_t n, void* dst, int32_t* status,
                       cudaStream_t stream) {
-  launch_column_decode<V, kColumnBlocks, kOverwrite>(payload, capacity, n, dst, status, stream);
-  if constexpr (sizeof(V) == 2)
-    launch_column_decode<V, kDenseColumnBlocks, kOverwrite>(payload, capacity, n, dst, status, stream);
+  launch_column_decode<V, sizeof(V) == 2 ? kWideColumnBlocks : kColumnBlocks, kOverwrite>(payload, capacity, n,
+                                                                                       dst, status, stream);
 }
 
 template <typename V, typename D>
@@ -973,7 +967,7 @@ void launch_sparse_decode(const uint8_t* payload, int64_t capacity, int64_t n, v
   check_launch("pici_sparse_decode_kernel");
   if constexpr (kMode == kAccumulate) {
     if constexpr (std::is_same_v<V, D> && sizeof(V) == 2)  // by columns (pici_column_decode_kernel)
-      launch_column_decode<V, kDenseColumnBlocks, kAccumulate>(payload, capacity, n, dst, status, stream);
+      launch_column_decode<V, kWideColumnBlocks, kAccumulate>(payload, capacity, n, dst, status, stream);
     else
       launch_accumulate<V, D>(payload, capacity, n, dst, status, stream);
   }
