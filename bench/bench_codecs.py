@@ -62,7 +62,11 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 _OPS = ("compress", "decompress", "accumulate")
 _IMPLS = ("pici", "coo", "torch")
-_TARGET_FRAC_COPY = 0.75
+# Fraction of copy that Pici should reach at the largest size (issue 19): compress and decompress
+# at every sparsity from _TARGET_FROM, accumulate where it reads the destination whole (its
+# fraction counts the destination read and written; sparser, it skips lines and reads above 1).
+_TARGET_FRAC = {"compress": 0.85, "decompress": 0.85, "accumulate": 0.80}
+_TARGET_FROM = 50.0
 _TARGET_SPEEDUP = 5.0
 _TARGET_SPEEDUP_AT = 99.0
 _COPY_BYTES = 1 << 30
@@ -537,7 +541,7 @@ def _plot(rows: list[_Row], path: pathlib.Path, title: str) -> bool:
                         color=colors[op],
                         label=f"{impl} {op}",
                     )
-        ax.axhline(_TARGET_FRAC_COPY, color="grey", linewidth=0.8)
+        ax.axhline(_TARGET_FRAC["compress"], color="grey", linewidth=0.8)
         ax.set_yscale("log")
         ax.set_xticks(range(len(sparsities)), [f"{s:g}" for s in sparsities])
         ax.set_xlabel("sparsity (%)")
@@ -553,31 +557,42 @@ def _plot(rows: list[_Row], path: pathlib.Path, title: str) -> bool:
 
 
 def _summary(rows: list[_Row], settings: _Settings) -> None:
-    """The closing table: Pici at fp32 and the largest size against the targets."""
-    dtype = "fp32" if "fp32" in settings.dtypes else settings.dtypes[0]
+    """The closing table: Pici at the largest size, every dtype, against the targets, and the cases
+    that miss them."""
     size = max(settings.sizes)
-    pick = {(r.sparsity, r.op): r for r in rows if r.dtype == dtype and r.size_bytes == size and r.impl == "pici"}
-
-    def verdict(ok: bool) -> str:
-        return "PASS" if ok else "FAIL"
-
+    pick = {(r.dtype, r.sparsity, r.op): r for r in rows if r.size_bytes == size and r.impl == "pici"}
+    judged = [s for s in settings.sparsities if s >= _TARGET_FROM]
     print()
     print(
-        f"summary: Pici, {dtype}, {benchlib.size_label(size)}: fraction of copy bandwidth (target >= {_TARGET_FRAC_COPY:.2f}) "
+        f"summary: Pici, {benchlib.size_label(size)}: fraction of copy bandwidth (targets at {_TARGET_FROM:g}% "
+        "sparsity and above: " + ", ".join(f"{op} >= {frac:.2f}" for op, frac in _TARGET_FRAC.items()) + "), "
         f"and compress speedup over torch nonzero COO (target >= {_TARGET_SPEEDUP:g}x at {_TARGET_SPEEDUP_AT:g}%)"
     )
-    print(f"{'sparsity':>8}  {'compress':>8} {'':4}  {'decompress':>10} {'':4}  {'speedup':>8} {'':4}")
-    for sparsity in settings.sparsities:
-        compress, decompress = pick[(sparsity, "compress")], pick[(sparsity, "decompress")]
-        speedup = compress.speedup_vs_torch or 0.0
-        target = verdict(speedup >= _TARGET_SPEEDUP) if sparsity == _TARGET_SPEEDUP_AT else ""
-        print(
-            f"{sparsity:>7g}%  {compress.frac_copy:>8.2f} {verdict(compress.frac_copy >= _TARGET_FRAC_COPY):4}  "
-            f"{decompress.frac_copy:>10.2f} {verdict(decompress.frac_copy >= _TARGET_FRAC_COPY):4}  "
-            f"{speedup:>7.2f}x {target:4}"
-        )
+    print(f"{'dtype':>5} {'sparsity':>8}  " + "  ".join(f"{op:>10} {'':4}" for op in _OPS) + f"  {'speedup':>8}")
+    missed = []
+    for dtype in settings.dtypes:
+        for sparsity in settings.sparsities:
+            cells = []
+            for op in _OPS:
+                frac = pick[(dtype, sparsity, op)].frac_copy
+                verdict = ""
+                if sparsity in judged:
+                    verdict = "PASS" if frac >= _TARGET_FRAC[op] else "FAIL"
+                    if verdict == "FAIL":
+                        missed.append(f"{dtype} {sparsity:g}% {op} {frac:.2f}")
+                cells.append(f"{frac:>10.2f} {verdict:4}")
+            speedup = pick[(dtype, sparsity, "compress")].speedup_vs_torch or 0.0
+            target = ("PASS" if speedup >= _TARGET_SPEEDUP else "FAIL") if sparsity == _TARGET_SPEEDUP_AT else ""
+            print(f"{dtype:>5} {sparsity:>7g}%  " + "  ".join(cells) + f"  {speedup:>7.2f}x {target}")
+    if not judged:
+        print(f"(no case at {_TARGET_FROM:g}% sparsity or above: fractions not judged)")
     if _TARGET_SPEEDUP_AT not in settings.sparsities:
         print(f"(no {_TARGET_SPEEDUP_AT:g}% case in this run: speedup target not judged)")
+    print(
+        f"targets: {len(judged) * len(_OPS) * len(settings.dtypes) - len(missed)} of "
+        f"{len(judged) * len(_OPS) * len(settings.dtypes)} fractions met"
+        + (f"; missed: {', '.join(missed)}" if missed else "")
+    )
     bad = [r for r in rows if not r.verified]
     print(
         f"verification: {len(rows) - len(bad)} of {len(rows)} timed rows decode bit for bit"

@@ -64,6 +64,10 @@ from spccl_train.pruning.threshold import sampled_threshold  # noqa: E402
 from spccl_train.pruning.wire import prune_to_wire  # noqa: E402
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Prune + encode to the wire of a GiB of fp32 gradient with fp32 errors (issue 19): at most this
+# on an H200, whose copy moves this much (read + write); on other devices, the same fraction.
+_FUSED_TARGET_MS = 0.85
+_H200_COPY_GBPS = 4150.0
 
 
 def _time_ms(fn, reps: int, cuda: bool) -> float:
@@ -222,7 +226,8 @@ def main() -> None:
         payload = sum(
             payload_bytes("pici", piece.numel, c, grad.dtype) for piece, c in zip(pieces.pieces, pieces.nnz.tolist())
         )
-        fused_gbps = (n * (grad.element_size() + 2 * error.element_size()) + payload) / fused_ms / 1e6
+        fused_bytes = n * (grad.element_size() + 2 * error.element_size()) + payload
+        fused_gbps = fused_bytes / fused_ms / 1e6
         row = {
             "date": stamp,
             "device": name,
@@ -250,6 +255,7 @@ def main() -> None:
             "unfused_ms": round(prune_ms + encode_ms, 4),
             "fused_ms": round(fused_ms, 4),
             "fused_density": round(fused_kept / n, 5),
+            "fused_bytes": fused_bytes,
             "fused_gbps": round(fused_gbps, 1),
             "fused_frac_copy": round(fused_gbps / copy_gbps, 3),
             "fused_over_unfused": round(fused_ms / (prune_ms + encode_ms), 3),
@@ -270,6 +276,9 @@ def main() -> None:
         writer.writeheader()
         writer.writerows(rows)
     first = rows[0]
+    per_gib = (1 << 30) / (4 * n)  # GiBs of fp32 in a gradient of n elements
+    fused_ms_per_gib = first["fused_ms"] * per_gib
+    fused_frac_target = first["fused_bytes"] * per_gib / (_FUSED_TARGET_MS * 1e6) / _H200_COPY_GBPS
     print(f"\nwrote {path}")
     if device_timer is not None and device_timer.starved:
         print(
@@ -281,9 +290,10 @@ def main() -> None:
         f"{first['frac_copy']:.2f} {'PASS' if first['frac_copy'] >= 0.70 else 'FAIL'}; sampling < 5% of the pass: "
         f"{first['sample_over_prune']:.1%} {'PASS' if first['sample_over_prune'] < 0.05 else 'FAIL'} "
         f"(host-inclusive, launch latency included: {first['sample_over_prune_host']:.1%}); prune + encode to the "
-        f"wire <= 0.85 ms per GiB of fp32: {first['fused_ms'] * (1 << 30) / (4 * n):.3f} ms/GiB "
-        f"{'PASS' if first['fused_ms'] * (1 << 30) / (4 * n) <= 0.85 else 'FAIL'} "
-        f"(unfused {first['unfused_ms'] * (1 << 30) / (4 * n):.3f})"
+        f"wire <= {_FUSED_TARGET_MS} ms per GiB of fp32 on an H200: {fused_ms_per_gib:.3f} ms/GiB "
+        f"{'PASS' if fused_ms_per_gib <= _FUSED_TARGET_MS else 'FAIL'} (unfused {first['unfused_ms'] * per_gib:.3f}); "
+        f"as a fraction of copy (the H200's {_H200_COPY_GBPS / 1000:.2f} TB/s), >= {fused_frac_target:.2f}: "
+        f"{first['fused_frac_copy']:.2f} {'PASS' if first['fused_frac_copy'] >= fused_frac_target else 'FAIL'}"
     )
 
 
