@@ -80,6 +80,8 @@ while [ $# -gt 0 ]; do
       done
       [ -d "$OUT/runs/gpt2_spccl" ] && [ -d "$OUT/runs/gpt2_dense" ] \
         && stage report spccl-train report "$OUT/runs/gpt2_dense" "$OUT/runs/gpt2_spccl" --out "$OUT/report.png"
+      # one file for the runs' summaries, per-iteration CSVs and plots (the device returns 8 files at most)
+      [ -d "$OUT/runs" ] && tar czf "$OUT/runs.tgz" -C "$OUT" runs && rm -rf "$OUT/runs"
       shift
       ;;
     gpus)

@@ -14,7 +14,7 @@ from spccl_train import cli
 from spccl_train.train import config as C
 from spccl_train.train import trainer as T
 from spccl_train.train.data import DataError, TokenData, embedded_corpus, prepare_tokens
-from spccl_train.train.report import BREAKDOWN, default_report_path
+from spccl_train.train.report import BREAKDOWN, default_report_path, report_table
 
 EMULATION_VARIABLES = (
     "NCCL_HOSTID",
@@ -457,6 +457,23 @@ def test_report_writes_its_own_file_and_leaves_the_runs_alone(tmp_path, monkeypa
     assert default_report_path([dense, other]).name == "compare-runs_tiny_cpu-dense-1-vs-elsewhere_tiny_cpu-dense-1.png"
     many = default_report_path([dense, sparse, dense, sparse, dense], where=tmp_path)
     assert many.parent == tmp_path and many.name.endswith("-and-2-more.png")
+
+
+def test_report_shows_the_last_loss_against_dense(tmp_path):
+    """The table gives the last iteration's loss beside the mean of the last 10, and how far it is
+    from the dense run's; a run summarised before the field existed shows ``-``."""
+    dense = _fake_run(tmp_path, "tiny_cpu-dense-1", "dense")
+    sparse = _fake_run(tmp_path, "tiny_cpu-spccl-1", "spccl")
+    old = _fake_run(tmp_path, "tiny_cpu-spccl-old", "spccl")
+    summary = json.loads((old / "summary.json").read_text())
+    del summary["last_loss"]
+    (old / "summary.json").write_text(json.dumps(summary))
+    last = {run: json.loads((run / "summary.json").read_text()).get("last_loss") for run in (dense, sparse)}
+    assert last[dense] == _losses(dense)[-1] and last[sparse] == _losses(sparse)[-1]
+    lines = {line.split()[0]: line.split() for line in report_table([dense, sparse, old]).splitlines()[2:]}
+    assert lines["tiny_cpu-dense-1"][7:9] == [f"{last[dense]:.3f}", "+0.0%"]
+    assert lines["tiny_cpu-spccl-1"][7:9] == [f"{last[sparse]:.3f}", f"{100 * (last[sparse] / last[dense] - 1):+.1f}%"]
+    assert lines["tiny_cpu-spccl-old"][7:9] == ["-", "-"]
 
 
 def test_report_help_names_the_default_path(capsys):

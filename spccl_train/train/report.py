@@ -93,11 +93,13 @@ def report_table(run_dirs: list[pathlib.Path]) -> str:
     List each dense run before the SpCCL runs it should be compared with (runs measured in one
     session, on one machine, compare fairly). ``comm ms`` is the communication the step waited
     for (``breakdown_ms``), ``-`` for runs without a breakdown (the Megatron engine, older runs).
+    ``loss``: the mean of the last 10 iterations; ``last loss``: the last iteration's, and
+    ``vs dense`` its difference from that dense run's (``-`` for runs older than the field).
     """
     runs = [(pathlib.Path(d), load_run(d)[0]) for d in run_dirs]
     head = (
         f"{'run':44s} {'mode':6s} {'iter ms':>9s} {'comm ms':>9s} {'prune ms':>9s} "
-        f"{'speedup':>8s} {'loss':>7s} {'density':>8s} {'bytes':>7s}"
+        f"{'speedup':>8s} {'loss':>7s} {'last loss':>9s} {'vs dense':>8s} {'density':>8s} {'bytes':>7s}"
     )
     lines = [head, "-" * len(head)]
     dense: dict[tuple[str, str], dict] = {}
@@ -109,9 +111,12 @@ def report_table(run_dirs: list[pathlib.Path]) -> str:
         speedup = f"{base['iteration_ms'] / s['iteration_ms']:.3f}x" if base else "-"
         breakdown = s.get("breakdown_ms")
         comm = f"{breakdown['comm_wait']:9.1f}" if breakdown else f"{'-':>9s}"
+        last = s.get("last_loss")
+        versus = f"{100 * (last / base['last_loss'] - 1):+7.1f}%" if last and base and base.get("last_loss") else "-"
         lines.append(
             f"{d.name[:44]:44s} {s['mode']:6s} {s['iteration_ms']:9.1f} {comm} {s['prune_ms']:9.2f} "
-            f"{speedup:>8s} {s['final_loss']:7.3f} {s['density']:8.4f} {100 * s['bytes_ratio']:6.1f}%"
+            f"{speedup:>8s} {s['final_loss']:7.3f} {f'{last:.3f}' if last is not None else '-':>9s} {versus:>8s} "
+            f"{s['density']:8.4f} {100 * s['bytes_ratio']:6.1f}%"
         )
     return "\n".join(lines)
 

@@ -707,6 +707,7 @@ def summarize(records: list[IterationRecord], warmup: int, info: dict) -> dict:
         "exchanges_per_iteration": mean("exchanges"),
         "first_loss": records[0].loss,
         "final_loss": sum(r.loss for r in tail) / len(tail),
+        "last_loss": records[-1].loss,
     }
 
 
@@ -744,8 +745,8 @@ def format_summary(summary: dict, run_dir: pathlib.Path) -> str:
         f"  comm hook totals (not parts of the iteration): {kind} all-reduce {s['allreduce_ms']:.1f} ms, "
         "issue to completion summed over buckets (they overlap compute and each other) | "
         f"pruning {s['prune_ms']:.1f} ms",
-        f"  loss {s['first_loss']:.3f} -> {s['final_loss']:.3f} (mean of the last 10) | density {s['density']:.4f} | "
-        f"bytes sent {100 * s['bytes_ratio']:.1f}% of dense",
+        f"  loss {s['first_loss']:.3f} -> {s['final_loss']:.3f} (mean of the last 10; {s['last_loss']:.3f} at "
+        f"iteration {s['iterations']}) | density {s['density']:.4f} | bytes sent {100 * s['bytes_ratio']:.1f}% of dense",
     ]
     if s.get("links"):
         lines.append(f"  links measured at start: {s['links']}")
