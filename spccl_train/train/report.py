@@ -112,7 +112,11 @@ def report_table(run_dirs: list[pathlib.Path]) -> str:
         breakdown = s.get("breakdown_ms")
         comm = f"{breakdown['comm_wait']:9.1f}" if breakdown else f"{'-':>9s}"
         last = s.get("last_loss")
-        versus = f"{100 * (last / base['last_loss'] - 1):+7.1f}%" if last and base and base.get("last_loss") else "-"
+        versus = (
+            f"{100 * (last / base['last_loss'] - 1):+7.1f}%"
+            if last is not None and base and base.get("last_loss")
+            else "-"
+        )
         lines.append(
             f"{d.name[:44]:44s} {s['mode']:6s} {s['iteration_ms']:9.1f} {comm} {s['prune_ms']:9.2f} "
             f"{speedup:>8s} {s['final_loss']:7.3f} {f'{last:.3f}' if last is not None else '-':>9s} {versus:>8s} "
