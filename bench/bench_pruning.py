@@ -276,7 +276,7 @@ def main() -> None:
         writer.writeheader()
         writer.writerows(rows)
     first = rows[0]
-    per_gib = (1 << 30) / (4 * n)  # GiBs of fp32 in a gradient of n elements
+    per_gib = (1 << 30) / (4 * n)  # gradients of n fp32 elements per GiB (times by it: ms per GiB)
     fused_ms_per_gib = first["fused_ms"] * per_gib
     fused_frac_target = first["fused_bytes"] * per_gib / (_FUSED_TARGET_MS * 1e6) / _H200_COPY_GBPS
     print(f"\nwrote {path}")
