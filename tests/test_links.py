@@ -423,8 +423,8 @@ def test_a_kinds_warm_up_is_no_run_of_a_trial():
 
 
 def test_at_an_octave_a_kind_is_weighed_by_what_it_took_there():
-    """The median of the last LOCAL_CALLS observations at an octave (the lower middle of two), to
-    1/16 of an octave, the kind's warm-up left out; other octaves keep the kind's factor."""
+    """The least of the last LOCAL_CALLS observations at an octave, to 1/16 of an octave, the
+    kind's warm-up left out; other octaves keep the kind's factor."""
     import random
 
     seed = random.randrange(1 << 32)
@@ -437,8 +437,8 @@ def test_at_an_octave_a_kind_is_weighed_by_what_it_took_there():
         c.learn([c.report()])
 
     def weighed(ratios: list[float]) -> float:  # as learn sees them (whole nanoseconds), then rounded
-        seen = sorted(round(0.01 * r * 1e9) / 1e9 / 0.01 for r in ratios)
-        return 2.0 ** (round(16 * math.log2(seen[(len(seen) - 1) // 2])) / 16)
+        least = min(round(0.01 * r * 1e9) / 1e9 / 0.01 for r in ratios)
+        return 2.0 ** (round(16 * math.log2(least)) / 16)
 
     observe(9.0, -7)  # the kind's warm-up: nowhere
     assert c.factors_for("all_reduce", nbytes, torch.float32, -7) == {}
@@ -455,6 +455,24 @@ def test_at_an_octave_a_kind_is_weighed_by_what_it_took_there():
     assert c.least_local("all_reduce", nbytes * 4, torch.float32) is None
     observe(5.0, None)  # a call without an octave (with bounds) is no octave's
     assert c.factors_for("all_reduce", nbytes, torch.float32, -7)["direct/coo"] == got
+
+
+def test_stalled_calls_raise_a_figure_only_three_in_a_row():
+    """Noise only slows a call: two stalls among a candidate's last three calls at an octave leave
+    its figure where its fast call put it (a left candidate keeps its figure, so one raised by two
+    stalls was lost for good); three slow calls in a row raise it."""
+    c = feedback.Corrections()
+    nbytes = 256 << 20
+
+    def observe(ratio: float) -> float:
+        c.called("all_reduce", "direct/pici", nbytes, 0.01, _Done(0.01 * ratio), torch.float32, "auto", -3)
+        c.learn([c.report()])
+        return c.factors_for("all_reduce", nbytes, torch.float32, -3).get("direct/pici", 1.0)
+
+    observe(1.0)  # the kind's warm-up
+    assert [observe(r) for r in (1.0, 1.6, 1.6)] == [1.0, 1.0, 1.0]
+    assert observe(1.6) == 2.0 ** (round(16 * math.log2(1.6)) / 16)  # three in a row
+    assert observe(0.9) == 2.0 ** (round(16 * math.log2(0.9)) / 16)  # one fast call brings it back
 
 
 def test_the_slowest_rank_is_the_calls_time():

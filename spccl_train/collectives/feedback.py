@@ -52,11 +52,15 @@ across densities and moves only beyond :data:`FAR`, so inside that band two cand
 differ stay misordered (in the sweep above after a trial of direct/COO: priced 79.3 ms against
 direct/Pici's 82.0, inside the sticky margin, while they ran 73.8 and 82.7). So the last
 :data:`LOCAL_CALLS` observed ratios of each kind at each octave are kept, and at that octave the
-candidate's factor is their median (the lower middle of two: a slow hiccup is likelier than a fast
-one; to 1/16 of an octave, so that repeated calls share a memoised decision), in place of the
-kind's. The candidate ``auto`` runs is observed call after call, so its figure
-follows the links; one it left keeps the figure it left with, and is run again once the running one
-is seen to be slower.
+candidate's factor is the least of them (to 1/16 of an octave, so that repeated calls share a
+memoised decision), in place of the kind's. The least, not the median: a call's time is the slowest
+rank's, so noise only adds to it (a socket stall, a rank that entered late), and a candidate leaves
+only after :data:`LOCAL_CALLS` slow calls in a row. One it left keeps the figure it left with, and
+is run again once the running one is seen to be slower, so a figure raised by noise is a candidate
+lost for good: with the median, two stalled direct/Pici calls of 256 MiB at 90% (2 ranks as 2
+emulated nodes on one H100, 2026-11-27) raised its figure past direct/COO's, and ``auto`` ran
+direct/COO from then on at 1.62x direct/Pici's time. The candidate ``auto`` runs is observed call
+after call, so its figure follows the links within :data:`LOCAL_CALLS` calls.
 
 A sparse kind not yet observed takes a share of what the observed sparse kinds of its collective
 and size class learned (:data:`UNOBSERVED`): much of the model's error is shared by the
@@ -118,7 +122,7 @@ NATIVE = "native/dense"
 OWN_ONLY = frozenset({NATIVE, "hierarchical"})
 """Candidates that neither give nor take the share of :data:`UNOBSERVED`."""
 LOCAL_CALLS = 3
-"""Observations of a kind at one density octave whose median is its factor there."""
+"""Observations of a kind at one density octave whose least is its factor there."""
 TRIAL_RUNS = 2
 """Runs of a candidate at a call's density octave after which it counts as tried there
 (:meth:`Corrections.tried`)."""
@@ -138,10 +142,9 @@ def factor_of(factors: Mapping[str, float] | None, candidate: str) -> float:
 
 
 def _local_factor(ratios: list[float]) -> float:
-    """The median of a kind's last observations at an octave (the lower middle of two), to 1/16 of
-    an octave: calls whose medians round alike weigh alike, and share a memoised decision."""
-    median = sorted(ratios)[(len(ratios) - 1) // 2]
-    return 2.0 ** (round(16 * math.log2(median)) / 16)
+    """The least of a kind's last observations at an octave, to 1/16 of an octave: calls whose
+    least observations round alike weigh alike, and share a memoised decision."""
+    return 2.0 ** (round(16 * math.log2(min(ratios))) / 16)
 
 
 def _type_name(dtype: torch.dtype | None) -> str:
@@ -212,7 +215,7 @@ class Corrections:
         :func:`factor_of`: each observed kind's own (1 where its predictions held), and under
         :data:`UNOBSERVED` the geometric mean of the ``n`` observed sparse kinds' to the power
         ``n / (n + 1)`` (absent when none was observed). At a density ``octave``, a kind observed
-        there takes the median of its last observations there instead of its own."""
+        there takes the least of its last observations there instead of its own."""
         size, of = size_class(nbytes), _type_name(dtype)
         own = {
             kind[1]: self.factors.get(kind, 1.0)
