@@ -39,7 +39,12 @@ constexpr uint32_t kPrefetchMinNnz = SPCCL_PREFETCH_MIN_NNZ;
 // Coalesced copy of `count` compacted values to A[base...]; nothing is written past capacity.
 // Two values per store (a 4- or 8-byte word) from the first aligned one on: bf16 at 50% sparsity
 // 0.73 -> 0.79 of copy on H100 (one store per value, each checked against the capacity, had
-// been a sixth of the kernel's instructions).
+// been a sixth of the kernel's instructions). The payload's values and words are stored evict
+// first: on one H100 (1 GiB, two rounds against plain stores) bf16 compress 0.84 -> 0.85 of copy
+// at 75% (0.559 -> 0.552 ms), 1-2% faster at 95-99.9% and fp32's at 95-99%; the fused prune +
+// encode pass 1.149 -> 1.137 ms per GiB (fp32), bf16 / bf16 0.630 -> 0.616
+// (bench/results/2026-11-27_nineteenth/ab_payload_stores/). Not measured: a small payload that
+// the collective sends at once, which plain stores may leave in L2 for the send.
 template <typename T>
 __device__ __forceinline__ void copy_out(const T* stage_s, uint32_t count, int64_t base, T* values,
                                          int64_t value_room) {
@@ -56,7 +61,7 @@ __device__ __forceinline__ void copy_out(const T* stage_s, uint32_t count, int64
   Word* out = reinterpret_cast<Word*>(to + head);
   for (uint32_t i = threadIdx.x; i < words; i += kThreads) {
     const Word lo = stage_s[head + 2 * i], hi = stage_s[head + 2 * i + 1];
-    out[i] = lo | (hi << (8 * sizeof(T)));
+    __stcs(out + i, Word(lo | (hi << (8 * sizeof(T)))));
   }
   if (threadIdx.x == 0 && head) to[0] = stage_s[0];
   if (threadIdx.x == kThreads - 1 && (limit - head) % 2) to[limit - 1] = stage_s[limit - 1];
@@ -264,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kern
         word_s[u][c0] = w0;
         word_s[u][c1] = w1;
         if (first + u < tiles)
-          reinterpret_cast<ulonglong2*>(bits + (first + u) * kTileRows)[lane] = make_ulonglong2(w0, w1);
+          __stcs(reinterpret_cast<ulonglong2*>(bits + (first + u) * kTileRows) + lane, make_ulonglong2(w0, w1));
         const uint32_t n0 = __popcll(w0), n1 = __popcll(w1);
         const uint32_t inclusive = warp_inclusive_scan(n0 + n1, lane);
         colpre_s[u][c0] = before + inclusive - n0 - n1;
