@@ -99,6 +99,7 @@ import datetime
 import math
 import os
 import pathlib
+import random
 import statistics
 import sys
 import time
@@ -1008,7 +1009,12 @@ def _time_in_turn(points: list[_Point], case: _Case, env: _Env) -> None:
     as ``auto``'s calls than as its fixed method's at three points of a sweep; in turns a second
     cause showed: a call over sockets now and then takes 15-30 ms longer than its like, whatever
     its method, and two such calls of three move a median (``fastest_vs_best``;
-    bench/results/2026-11-26_seventeenth/).
+    bench/results/2026-11-26_seventeenth/). Each turn takes the methods in its own order (shuffled
+    alike on every rank from the case), so that no method always follows the same one: in a fixed
+    order on 2 H100s over NVLink (4039038, 1 GiB), ``auto``, always right after NCCL's dense
+    call, ran its candidate 3-11% slower than the candidate's own row (6% at 6 of 8 points), where
+    alternating the two without NCCL's call (``autoprof.py``) put them 1-2% apart
+    (bench/results/2026-11-27_nineteenth/).
 
     A point is verified again after its last call. A failure stops the case's timed calls on every
     rank: the failing rank's gate carries the failing point's place, which the others' next gate
@@ -1017,9 +1023,12 @@ def _time_in_turn(points: list[_Point], case: _Case, env: _Env) -> None:
     """
     live = [p for p in points if not p.error]  # the same on every rank
     current: _Point | None = None
+    key = (case.collective, case.dtype_name, case.pattern, case.size_bytes, case.sparsity)
     try:
         for turn in range(max((p.row.iters for p in live), default=0)):
-            for current in (p for p in live if turn < p.row.iters):
+            order = list(live)
+            random.Random(_seed(key, "turn", turn)).shuffle(order)
+            for current in (p for p in order if turn < p.row.iters):
                 if env.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(env.device)
                 seconds, stats, _ = _timed_call(current.method, case, env)
