@@ -654,6 +654,9 @@ __global__ void __launch_bounds__(kThreads, kBlocks) pici_column_decode_kernel(
   constexpr int kRows = kTileRows / (kThreads / 32);         // rows per warp (zero and scatter)
   constexpr int kPairs = kTileRows / 2 / (kThreads / 32);    // column pairs per warp
   __shared__ __align__(16) uint32_t tile_s[2][kTileRows * kWords];
+  // Each warp's rows of a sparse 16-bit tile (16-bit overwrite only: 8 KB a block)
+  constexpr int kScatterRoom = kWide && kMode == kOverwrite ? kRows * kTileRows : 8;
+  __shared__ __align__(16) V scatter_s[kThreads / 32][kScatterRoom];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned long long* bits = reinterpret_cast<const unsigned long long*>(payload);
   const uint32_t* index = reinterpret_cast<const uint32_t*>(payload + index_offset);
@@ -698,10 +701,22 @@ __global__ void __launch_bounds__(kThreads, kBlocks) pici_column_decode_kernel(
     if (kMode == kAccumulate && total == 0) continue;  // nothing to add
     if (kMode == kOverwrite && total <= kScatterMax<V>) {
       // Empty, or a sparse 16-bit tile: zero the warp's rows with 16-byte stores, then store the
-      // marked elements, each lane walking the set bits of its two columns' words.
+      // marked elements, each lane walking the set bits of its two columns' words. A whole sparse
+      // 16-bit tile does both in the warp's rows of scatter_s and then stores whole 16-byte pieces
+      // (evict first), so that no marked element is written on its own to L2. Measured on H100 (1
+      // GiB bf16, two rounds against stores to the tile): 99% 0.459 -> 0.438 ms (0.84 -> 0.87-0.88
+      // of copy), 99.9% 0.438 -> 0.434; tiles that never come here lost 1% (50% 0.618 -> 0.625,
+      // 90% 0.493 -> 0.497, 95% 0.472 -> 0.478), and as much with a quarter of the room (2 rows
+      // a warp at a time: 99% 0.448), so not by the smaller L1 share. Stores to the tile made
+      // evict first instead lost (0.83 -> 0.69 at 99%; bench/results/2026-11-27_nineteenth/).
       V* rows = out + warp * kRows * kTileRows;
-      if (full) {
-        constexpr int kVectors = kRows * kTileRows * int(sizeof(V)) / 16;
+      constexpr int kVectors = kRows * kTileRows * int(sizeof(V)) / 16;
+      const bool staged = kWide && full && total > 0;
+      if (staged) {
+#pragma unroll
+        for (int v = lane; v < kVectors; v += 32)
+          reinterpret_cast<uint4*>(scatter_s[warp])[v] = make_uint4(0u, 0u, 0u, 0u);
+      } else if (full) {
 #pragma unroll
         for (int v = lane; v < kVectors; v += 32) reinterpret_cast<uint4*>(rows)[v] = make_uint4(0u, 0u, 0u, 0u);
       } else {
@@ -714,12 +729,19 @@ __global__ void __launch_bounds__(kThreads, kBlocks) pici_column_decode_kernel(
       const unsigned long long above = (1ull << (warp * kRows)) - 1ull;
       const V* at0 = values + lo + (inclusive - count) + __popcll(w.x & above);
       const V* at1 = values + lo + (inclusive - __popcll(w.y)) + __popcll(w.y & above);
+      V* to = staged ? scatter_s[warp] : rows;
       uint32_t k = 0;
       for (uint32_t m = uint32_t(w.x >> (warp * kRows)) & 0xffu; m; m &= m - 1)
-        out[(warp * kRows + __ffs(m) - 1) * kTileRows + c0] = at0[k++];
+        to[(__ffs(m) - 1) * kTileRows + c0] = at0[k++];
       k = 0;
       for (uint32_t m = uint32_t(w.y >> (warp * kRows)) & 0xffu; m; m &= m - 1)
-        out[(warp * kRows + __ffs(m) - 1) * kTileRows + c0 + 1] = at1[k++];
+        to[(__ffs(m) - 1) * kTileRows + c0 + 1] = at1[k++];
+      if (staged) {
+        __syncwarp();  // the warp's rows are whole in scatter_s; a lane reads back the pieces it zeroed
+#pragma unroll
+        for (int v = lane; v < kVectors; v += 32)
+          __stcs(reinterpret_cast<uint4*>(rows) + v, reinterpret_cast<const uint4*>(scatter_s[warp])[v]);
+      }
       if (kWide && threadIdx.x == 0 && tile + gridDim.x < tiles)  // as below, once this tile's gathers are done
         prefetch_values(values, lo_next, hi_next, value_room);
       continue;
@@ -800,9 +822,7 @@ __global__ void __launch_bounds__(kThreads, kBlocks) pici_column_decode_kernel(
           // Evict first: the tile is written once and read by the caller later. Measured on H100
           // (1 GiB, fraction of copy, two rounds against plain stores): bf16 0.84 -> 0.85 at 90%,
           // 0.493 -> 0.490 ms; fp32 0.87-0.88 -> 0.89 at 95%, 0.4-1.6% faster at 75-99%; equal at
-          // 50%. The zero-and-scatter tiles' zeros stay plain: as evict-first stores they cost bf16 at
-          // 99% 0.83 -> 0.69 (evicted, we think, before the marked elements land on them;
-          // bench/results/2026-11-27_nineteenth/).
+          // 50%. Zero-and-scatter tiles go through shared memory (above) for the same stores.
           __stcs(at, s);
         }
       }
