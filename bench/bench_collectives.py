@@ -1010,11 +1010,11 @@ def _time_in_turn(points: list[_Point], case: _Case, env: _Env) -> None:
     cause showed: a call over sockets now and then takes 15-30 ms longer than its like, whatever
     its method, and two such calls of three move a median (``fastest_vs_best``;
     bench/results/2026-11-26_seventeenth/). Each turn takes the methods in its own order (shuffled
-    alike on every rank from the case), so that no method always follows the same one: in a fixed
-    order on 2 H100s over NVLink (4039038, 1 GiB), ``auto``, always right after NCCL's dense
-    call, ran its candidate 3-11% slower than the candidate's own row (6% at 6 of 8 points), where
-    alternating the two without NCCL's call (``autoprof.py``) put them 1-2% apart
-    (bench/results/2026-11-27_nineteenth/).
+    alike on every rank from the case), so that no method always follows the same one. In a
+    fixed order on 2 H100s over NVLink (4039038, 1 GiB), ``auto``, always right after NCCL's
+    dense call, ran its candidate 3-11% slower than the candidate's own row, where alternating
+    the two without NCCL's call (``autoprof.py``) put them 1-2% apart. In shuffled turns the gap
+    stayed (2-8%, caf0a76), so the order was not its cause (bench/results/2026-11-27_nineteenth/).
 
     A point is verified again after its last call. A failure stops the case's timed calls on every
     rank: the failing rank's gate carries the failing point's place, which the others' next gate
