@@ -475,6 +475,43 @@ def test_stalled_calls_raise_a_figure_only_three_in_a_row():
     assert observe(0.9) == 2.0 ** (round(16 * math.log2(0.9)) / 16)  # one fast call brings it back
 
 
+def test_a_calls_factors_come_from_its_own_group_of_kinds():
+    """factors_for, least_local and the share of the unobserved walk only the kinds of the call's
+    collective, size class and element type: the same figures as a walk over every kind seen."""
+    import random
+
+    seed = random.randrange(1 << 32)
+    rng = random.Random(seed)
+    c = feedback.Corrections()
+    names = ["direct/pici", "direct/coo", "ring/pici", "ring/coo", feedback.NATIVE]
+    shapes = [(col, nbytes, dt) for col in ("all_reduce", "all_gather") for nbytes in (1 << 20, 64 << 20)
+              for dt in (torch.float32, torch.bfloat16)]  # fmt: skip
+    for _ in range(400):
+        col, nbytes, dt = rng.choice(shapes)
+        octave = rng.choice([None, -3, -7])
+        c.called(col, rng.choice(names), nbytes, 0.01, _Done(0.01 * rng.uniform(0.3, 3.0)), dt, "auto", octave)
+        c.learn([c.report()])
+
+    def brute_factors(col, nbytes, dt, octave):  # every kind seen, filtered
+        size, of = feedback.size_class(nbytes), str(dt).removeprefix("torch.")
+        group = [k for k, n in c.seen.items() if n > 1 and (k[0], k[2], k[3]) == (col, size, of)]
+        own = {k[1]: c.factors.get(k, 1.0) for k in group}
+        sparse = [math.log(c.factors.get(k, 1.0)) for k in group if k[1] not in feedback.OWN_ONLY]
+        if sparse:
+            own[feedback.UNOBSERVED] = math.exp(sum(sparse) / (len(sparse) + 1))
+        for name, ratios in c.local.get((col, size, of, octave), {}).items():
+            own[name] = feedback._local_factor(ratios)
+        least = [feedback._local_factor(r) for (cc, s, o, _), by in c.local.items() if (cc, s, o) == (col, size, of)
+                 for name, r in by.items() if name not in feedback.OWN_ONLY]  # fmt: skip
+        return own, min(least) if least else None
+
+    for col, nbytes, dt in shapes:
+        for octave in (None, -3, -7):
+            own, least = brute_factors(col, nbytes, dt, octave)
+            assert c.factors_for(col, nbytes, dt, octave) == own, f"seed {seed}"
+            assert c.least_local(col, nbytes, dt) == least, f"seed {seed}"
+
+
 def test_the_slowest_rank_is_the_calls_time():
     c = feedback.Corrections()
     for times in ([1, 1], [4_000_000_000, 1]):
