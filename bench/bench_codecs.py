@@ -588,9 +588,9 @@ def _summary(rows: list[_Row], settings: _Settings) -> None:
         print(f"(no case at {_TARGET_FROM:g}% sparsity or above: fractions not judged)")
     if _TARGET_SPEEDUP_AT not in settings.sparsities:
         print(f"(no {_TARGET_SPEEDUP_AT:g}% case in this run: speedup target not judged)")
+    total = len(judged) * len(_OPS) * len(settings.dtypes)
     print(
-        f"targets: {len(judged) * len(_OPS) * len(settings.dtypes) - len(missed)} of "
-        f"{len(judged) * len(_OPS) * len(settings.dtypes)} fractions met"
+        f"targets: {total - len(missed)} of {total} fractions met"
         + (f"; missed: {', '.join(missed)}" if missed else "")
     )
     bad = [r for r in rows if not r.verified]

@@ -593,8 +593,9 @@ __global__ void __launch_bounds__(kThreads, 4) pici_accumulate_kernel(
 // blocks): 0.82 -> 0.86 at 50% sparsity, 0.79-0.81 -> 0.83 at 75-95%. Sparse payloads, whose
 // tiles are zeroed and scattered, once lost at 8 (0.84 -> 0.80 at 99%) and took a second
 // kernel on 6, chosen on the device by density; since those tiles prefetch the next tile's
-// values they run as fast on 8 (0.83-0.84 at 99%, 0.86 at 99.9%), and one launch saves the
-// other's 4 us (0.83 -> 0.84 at 90%; bench/results/2026-11-27_eighteenth/).
+// values they run as fast on 8 (0.83-0.84 at 99%, 0.86 at 99.9%; 0.87-0.88 since they go through
+// scatter_s), and one launch saves the other's 4 us (0.83 -> 0.84 at 90%;
+// bench/results/2026-11-27_eighteenth/).
 // `kMode` kAccumulate (16-bit payloads into their own type, the payload denser than
 // kSparsePercent): the tile is staged as for overwrite, and each 16-byte piece of a row that holds
 // a marked element is read, added to (add_marked) and written; pieces with none, and empty tiles,
@@ -711,8 +712,8 @@ __global__ void __launch_bounds__(kThreads, kBlocks) pici_column_decode_kernel(
       // evict first instead lost (0.83 -> 0.69 at 99%; bench/results/2026-11-27_nineteenth/).
       V* rows = out + warp * kRows * kTileRows;
       constexpr int kVectors = kRows * kTileRows * int(sizeof(V)) / 16;
-      const bool staged = kWide && full && total > 0;
-      if (staged) {
+      const bool in_shared = kWide && full && total > 0;
+      if (in_shared) {
 #pragma unroll
         for (int v = lane; v < kVectors; v += 32)
           reinterpret_cast<uint4*>(scatter_s[warp])[v] = make_uint4(0u, 0u, 0u, 0u);
@@ -729,14 +730,14 @@ __global__ void __launch_bounds__(kThreads, kBlocks) pici_column_decode_kernel(
       const unsigned long long above = (1ull << (warp * kRows)) - 1ull;
       const V* at0 = values + lo + (inclusive - count) + __popcll(w.x & above);
       const V* at1 = values + lo + (inclusive - __popcll(w.y)) + __popcll(w.y & above);
-      V* to = staged ? scatter_s[warp] : rows;
+      V* to = in_shared ? scatter_s[warp] : rows;
       uint32_t k = 0;
       for (uint32_t m = uint32_t(w.x >> (warp * kRows)) & 0xffu; m; m &= m - 1)
         to[(__ffs(m) - 1) * kTileRows + c0] = at0[k++];
       k = 0;
       for (uint32_t m = uint32_t(w.y >> (warp * kRows)) & 0xffu; m; m &= m - 1)
         to[(__ffs(m) - 1) * kTileRows + c0 + 1] = at1[k++];
-      if (staged) {
+      if (in_shared) {
         __syncwarp();  // the warp's rows are whole in scatter_s; a lane reads back the pieces it zeroed
 #pragma unroll
         for (int v = lane; v < kVectors; v += 32)
