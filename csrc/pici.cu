@@ -454,14 +454,20 @@ __device__ __forceinline__ uint32_t warp_total(uint32_t v) {
 #endif
 }
 
-// Overwrite decodes a tile of 16-bit elements with at most this many nonzeros by zeroing it with
-// 16-byte stores and then storing the marked elements; denser tiles, and 32-bit ones that are not
-// empty, gather every element (an empty tile of either size is only zeroed). Measured on H100 (1 GiB, fraction of copy, gather -> zero and store, bf16 / fp32):
-// 99.9% 0.77 -> 0.87 / 0.88 -> 0.89, 99% 0.76 -> 0.83 / 0.86 -> 0.85, 97% 0.76 -> 0.81 / 0.85 ->
-// 0.82, 95% 0.75 -> 0.64 / 0.85 -> 0.81, 80% 0.74 -> 0.35 / 0.86 -> 0.47: in the bit walk each
-// marked element's load and store wait in turn, and 32-bit tiles gain little from wider zeros.
+// Overwrite decodes a tile of 16-bit elements with at most this many nonzeros (of 4096) by zeroing
+// it and then storing the marked elements; denser tiles, and 32-bit ones that are not empty, gather
+// every element (an empty tile of either size is only zeroed). First measured on H100 (1 GiB,
+// fraction of copy, gather -> zero and store, bf16 / fp32, each marked element loaded and stored
+// in turn, straight to the tile): 99.9% 0.77 -> 0.87 / 0.88 -> 0.89, 99% 0.76 -> 0.83 / 0.86 ->
+// 0.85, 95% 0.75 -> 0.64 / 0.85 -> 0.81, 80% 0.74 -> 0.35 / 0.86 -> 0.47. Since a whole tile is
+// zeroed and scattered in shared memory, its stores whole, and the next tile's values prefetched,
+// the bit walk is no longer what waits: bf16 at 95% (tiles of about 205) went 0.477 -> 0.457 ms
+// (0.83 -> 0.87) with 256 here instead of 128. With two marked elements of each column loaded
+// together per pass of the walk, 512 (tiles of about 410 at 90%) took 90% 0.497 -> 0.481 ms
+// (0.84 -> 0.86) and 95% 0.459; 1024 lost at 75% (0.553 -> 0.570 ms), so 512
+// (bench/results/2026-11-27_twentieth/).
 #ifndef SPCCL_SCATTER_MAX_16
-#define SPCCL_SCATTER_MAX_16 128
+#define SPCCL_SCATTER_MAX_16 512
 #endif
 template <typename D>
 constexpr uint32_t kScatterMax = sizeof(D) == 2 ? SPCCL_SCATTER_MAX_16 : 0u;
@@ -702,14 +708,16 @@ __global__ void __launch_bounds__(kThreads, kBlocks) pici_column_decode_kernel(
     if (kMode == kAccumulate && total == 0) continue;  // nothing to add
     if (kMode == kOverwrite && total <= kScatterMax<V>) {
       // Empty, or a sparse 16-bit tile: zero the warp's rows with 16-byte stores, then store the
-      // marked elements, each lane walking the set bits of its two columns' words. A whole sparse
+      // marked elements, each lane walking the set bits of its two columns' words, two of each a
+      // pass (their loads in flight together; one a pass: 90% 0.488 ms, two: 0.481). A whole sparse
       // 16-bit tile does both in the warp's rows of scatter_s and then stores whole 16-byte pieces
       // (evict first), so that no marked element is written on its own to L2. Measured on H100 (1
       // GiB bf16, two rounds against stores to the tile): 99% 0.459 -> 0.438 ms (0.84 -> 0.87-0.88
-      // of copy), 99.9% 0.438 -> 0.434; tiles that never come here lost 1% (50% 0.618 -> 0.625,
-      // 90% 0.493 -> 0.497, 95% 0.472 -> 0.478), and as much with a quarter of the room (2 rows
-      // a warp at a time: 99% 0.448), so not by the smaller L1 share. Stores to the tile made
-      // evict first instead lost (0.83 -> 0.69 at 99%; bench/results/2026-11-27_nineteenth/).
+      // of copy), 99.9% 0.438 -> 0.434; tiles that never came here (then: over 128) lost 1% (50%
+      // 0.618 -> 0.625, 90% 0.493 -> 0.497, 95% 0.472 -> 0.478), and as much with a quarter of
+      // the room (2 rows a warp at a time: 99% 0.448), so not by the smaller L1 share. Stores to
+      // the tile made evict first instead lost (0.83 -> 0.69 at 99%;
+      // bench/results/2026-11-27_nineteenth/).
       V* rows = out + warp * kRows * kTileRows;
       constexpr int kVectors = kRows * kTileRows * int(sizeof(V)) / 16;
       const bool in_shared = kWide && full && total > 0;
@@ -731,12 +739,18 @@ __global__ void __launch_bounds__(kThreads, kBlocks) pici_column_decode_kernel(
       const V* at0 = values + lo + (inclusive - count) + __popcll(w.x & above);
       const V* at1 = values + lo + (inclusive - __popcll(w.y)) + __popcll(w.y & above);
       V* to = in_shared ? scatter_s[warp] : rows;
-      uint32_t k = 0;
-      for (uint32_t m = uint32_t(w.x >> (warp * kRows)) & 0xffu; m; m &= m - 1)
-        to[(__ffs(m) - 1) * kTileRows + c0] = at0[k++];
-      k = 0;
-      for (uint32_t m = uint32_t(w.y >> (warp * kRows)) & 0xffu; m; m &= m - 1)
-        to[(__ffs(m) - 1) * kTileRows + c0 + 1] = at1[k++];
+      uint32_t ma = uint32_t(w.x >> (warp * kRows)) & 0xffu, mb = uint32_t(w.y >> (warp * kRows)) & 0xffu;
+      for (uint32_t k = 0; ma | mb; k += 2) {
+        const uint32_t na = ma & (ma - 1), nb = mb & (mb - 1);  // without the pass's first bits
+        const V va0 = ma ? at0[k] : V(0), va1 = na ? at0[k + 1] : V(0);
+        const V vb0 = mb ? at1[k] : V(0), vb1 = nb ? at1[k + 1] : V(0);
+        if (ma) to[(__ffs(ma) - 1) * kTileRows + c0] = va0;
+        if (na) to[(__ffs(na) - 1) * kTileRows + c0] = va1;
+        if (mb) to[(__ffs(mb) - 1) * kTileRows + c0 + 1] = vb0;
+        if (nb) to[(__ffs(nb) - 1) * kTileRows + c0 + 1] = vb1;
+        ma = na & (na - 1);
+        mb = nb & (nb - 1);
+      }
       if (in_shared) {
         __syncwarp();  // the warp's rows are whole in scatter_s; a lane reads back the pieces it zeroed
 #pragma unroll
