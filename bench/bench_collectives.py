@@ -105,6 +105,7 @@ import sys
 import time
 import zlib
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -296,6 +297,8 @@ class _Row:
     than its like (every method alike); with few timed calls this tells such stalls from a cost
     every call of ``auto`` pays."""
     choice_vs_best: float | None = None
+    choice: _Row | None = None
+    """``auto/auto`` rows whose timed calls ran one fixed candidate: that candidate's row (not written)."""
     """``auto/auto`` rows whose timed calls ran one fixed candidate: that candidate's own time
     (its fixed method's row) over the best fixed candidate's. Against :attr:`auto_vs_best` it tells
     a wrong choice from the right one that cost more as ``auto``'s call (its planning, its model's
@@ -311,6 +314,13 @@ class _Row:
     """Untimed calls ``--settle`` gave ``auto`` before timing (0 for fixed methods)."""
     iters: int = 0
     peak_mem_gib: float = 0.0
+    host_ms: float = math.nan
+    """Median over the timed calls of the time from the call's start to its return (the slowest
+    rank's of each call): what the host spent in it, its waits on the device included."""
+    device_allocs: int = 0
+    """Device memory the caching allocator took from the driver (``cudaMalloc``) during the timed
+    calls, the most of any rank: each such allocation synchronises, so a nonzero count says the
+    allocator, not the method, cost some of the time."""
     verified: bool = False
     error: str = ""
 
@@ -848,15 +858,30 @@ def _prepare(case: _Case, poison: bool) -> None:
         case.out.fill_(math.nan)
 
 
-def _timed_call(
-    method: _Method, case: _Case, env: _Env, poison: bool = False
-) -> tuple[float, CollectiveStats | None, int]:
+class _Timed(NamedTuple):
+    seconds: float
+    """From the call's start to the device's end of it."""
+    stats: CollectiveStats | None
+    sent: int
+    host: float
+    """From the call's start to its return."""
+
+
+def _timed_call(method: _Method, case: _Case, env: _Env, poison: bool = False) -> _Timed:
     _prepare(case, poison)
     _gate(env)
     start = time.perf_counter()
     stats, sent = _call(method, case, env)
+    returned = time.perf_counter()
     _sync(env)
-    return time.perf_counter() - start, stats, sent
+    return _Timed(time.perf_counter() - start, stats, sent, returned - start)
+
+
+def _device_allocs(env: _Env) -> int:
+    """The caching allocator's ``cudaMalloc`` calls so far on this rank's device (0 on a CPU)."""
+    if env.device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(env.device).get("num_device_alloc", 0))
 
 
 def _same_weighing(before: dict[str, float], now: dict[str, float]) -> bool:
@@ -893,6 +918,8 @@ class _Point:
     dense: int = 0
     peak: float = 0.0
     times: list[float] = dataclasses.field(default_factory=list)
+    host_times: list[float] = dataclasses.field(default_factory=list)
+    allocs: int = 0
 
 
 def _new_row(method: _Method, case: _Case) -> _Row:
@@ -935,7 +962,7 @@ def _ready(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _Poi
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
     try:
-        first, stats, naive_sent = _timed_call(method, case, env, poison=True)
+        first, stats, naive_sent, _ = _timed_call(method, case, env, poison=True)
         point.ok = _matches(case) and _clean(stats)
         if stats is not None:
             point.sent, point.dense = stats.bytes_sent, stats.dense_bytes
@@ -955,7 +982,7 @@ def _ready(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _Poi
         # method may include one-time setup (NCCL creates its point-to-point communicators lazily).
         estimate = first
         if settings.warmup:
-            estimate, _, _ = _timed_call(method, case, env)
+            estimate = _timed_call(method, case, env).seconds
             row.warmup = 1
         estimate = _gate(env, value=estimate)
         want = settings.iters_large if case.size_bytes >= _LARGE else settings.iters
@@ -969,7 +996,7 @@ def _ready(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _Poi
             # Every rank decides alike, so every rank leaves this loop at the same call.
             last, weighed = "", {}
             while row.settle < settings.settle:
-                _, stats, _ = _timed_call(method, case, env)
+                stats = _timed_call(method, case, env).stats
                 row.settle += 1
                 now = f"{stats.algorithm}/{stats.format.value}"
                 if not row.chosen.endswith(now):
@@ -1031,8 +1058,11 @@ def _time_in_turn(points: list[_Point], case: _Case, env: _Env) -> None:
             for current in (p for p in order if turn < p.row.iters):
                 if env.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(env.device)
-                seconds, stats, _ = _timed_call(current.method, case, env)
-                _note_timed(current, seconds, stats)
+                allocs = _device_allocs(env)
+                timed = _timed_call(current.method, case, env)
+                current.allocs += _device_allocs(env) - allocs
+                current.host_times.append(timed.host)
+                _note_timed(current, timed.seconds, timed.stats)
                 if env.device.type == "cuda":
                     current.peak = max(current.peak, torch.cuda.max_memory_allocated(env.device) / 2**30)
                 if turn == current.row.iters - 1:
@@ -1061,15 +1091,20 @@ def _close(point: _Point, case: _Case, env: _Env, settings: _Settings) -> _Row:
     # A fixed length on every rank, even one that failed part way.
     cap = max(settings.iters, settings.iters_large)
     padded = point.times[:cap] + [0.0] * (cap - len(point.times))
+    host = point.host_times[:cap] + [0.0] * (cap - len(point.host_times))
     failed = 1.0 if point.error or not point.ok else 0.0
-    agreed = _reduce(env, [*padded, float(len(point.times)), failed, point.peak], dist.ReduceOp.MAX)
+    agreed = _reduce(
+        env, [*padded, float(len(point.times)), failed, point.peak, float(point.allocs), *host], dist.ReduceOp.MAX
+    )
     totals = _reduce(env, [float(point.sent), float(point.dense)], dist.ReduceOp.SUM)
     per_iter = [1e3 * t for t in agreed[: int(agreed[cap])]]
     row.verified = agreed[cap + 1] == 0.0
     if per_iter and row.verified:
         row.time_ms = statistics.median(per_iter)
         row.time_min_ms, row.time_max_ms = min(per_iter), max(per_iter)
+        row.host_ms = statistics.median(1e3 * t for t in agreed[cap + 4 : cap + 4 + len(per_iter)])
     row.peak_mem_gib = agreed[cap + 2]
+    row.device_allocs = int(agreed[cap + 3])
     row.bytes_sent, row.dense_bytes = int(totals[0]), int(totals[1])
     if point.error:
         row.error = point.error
@@ -1147,7 +1182,7 @@ _FIELDS = [
     "input_sparsity", "output_sparsity", "time_ms", "time_min_ms", "time_max_ms", "algbw_GBps", "busbw_GBps",
     "bytes_sent", "dense_bytes", "bytes_ratio", "chosen", "message_formats", "speedup_vs_nccl", "speedup_vs_naive",
     "predicted_ms", "auto_vs_best", "fastest_vs_best", "timed_chosen", "choice_vs_best", "exchanges", "gather_counts", "warmup", "settle", "iters", "peak_mem_GiB",
-    "verified", "error",
+    "host_ms", "device_allocs", "verified", "error",
 ]  # fmt: skip
 
 
@@ -1202,6 +1237,8 @@ def _write_csv(rows: list[_Row], path: pathlib.Path, meta: dict[str, object]) ->
                     "settle": r.settle,
                     "iters": r.iters,
                     "peak_mem_GiB": f"{r.peak_mem_gib:.3f}",
+                    "host_ms": opt(r.host_ms, 6),
+                    "device_allocs": r.device_allocs,
                     "verified": r.verified,
                     "error": r.error,
                 }
@@ -1377,12 +1414,12 @@ def _rate_auto(rows: list[_Row]) -> None:
         return (r.collective, r.dtype, r.pattern, r.size_bytes, r.sparsity, r.channels, r.threshold_scale)
 
     best: dict[tuple, _Row] = {}
-    fixed: dict[tuple, float] = {}
+    fixed: dict[tuple, _Row] = {}
     for r in rows:
         if r.method in _FIXED and r.verified and not math.isnan(r.time_ms):
             if point(r) not in best or r.time_ms < best[point(r)].time_ms:
                 best[point(r)] = r
-            fixed[point(r) + (r.method,)] = r.time_ms
+            fixed[point(r) + (r.method,)] = r
     for r in rows:
         if r.method == "auto/auto" and r.verified and point(r) in best:
             r.auto_vs_best = r.time_ms / best[point(r)].time_ms
@@ -1390,7 +1427,8 @@ def _rate_auto(rows: list[_Row]) -> None:
             algorithm, _, fmt = r.timed_chosen.partition("/")
             ran = "nccl" if algorithm == "native" else f"{fmt}/{algorithm}"
             if ">" not in r.timed_chosen and point(r) + (ran,) in fixed:
-                r.choice_vs_best = fixed[point(r) + (ran,)] / best[point(r)].time_ms
+                r.choice = fixed[point(r) + (ran,)]
+                r.choice_vs_best = r.choice.time_ms / best[point(r)].time_ms
 
 
 def _auto_summary(rows: list[_Row]) -> None:
@@ -1416,11 +1454,17 @@ def _auto_summary(rows: list[_Row]) -> None:
             f"  of the {len(over)} beyond: {len(same)} ran a candidate whose own fixed time was within "
             f"{_AUTO_WITHIN - 1:.0%} of the best ("
             + ", ".join(
-                f"{benchlib.size_label(r.size_bytes)} {r.sparsity:g}%: {r.timed_chosen} {r.choice_vs_best:.2f}x"
+                f"{benchlib.size_label(r.size_bytes)} {r.sparsity:g}% {r.dtype}: {r.timed_chosen} {r.choice_vs_best:.2f}x"
                 for r in same
             )
             + ")"
         )
+        for r in same:  # where the time went: the host's part of the call, the allocator
+            print(
+                f"    {benchlib.size_label(r.size_bytes)} {r.sparsity:g}% {r.dtype}: auto {r.time_ms:.3f} ms (host "
+                f"{r.host_ms:.3f}, {r.device_allocs} device allocations), {r.choice.method} {r.choice.time_ms:.3f} ms "
+                f"(host {r.choice.host_ms:.3f}, {r.choice.device_allocs})"
+            )
 
 
 # ---------------------------------------------------------------------------------------

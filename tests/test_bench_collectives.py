@@ -23,7 +23,7 @@ TIMEOUT_S = 240
 COLUMNS = {
     "date", "device", "commit", "world_size", "collective", "method", "format", "algorithm", "dtype", "pattern",
     "size_bytes", "sparsity", "time_ms", "algbw_GBps", "busbw_GBps", "bytes_ratio", "speedup_vs_nccl",
-    "speedup_vs_naive", "predicted_ms", "verified",
+    "speedup_vs_naive", "predicted_ms", "host_ms", "device_allocs", "verified",
 }  # fmt: skip
 
 
@@ -58,6 +58,8 @@ def test_smoke_grid(tmp_path):
     assert {r["world_size"] for r in rows} == {"2"}
     for r in rows:
         assert float(r["time_ms"]) > 0 and float(r["busbw_GBps"]) > 0, r  # 6 significant digits, never 0
+        # each call returns before its device work ends, so the median host time cannot pass the median call
+        assert 0 < float(r["host_ms"]) <= float(r["time_ms"]) and r["device_allocs"] == "0", r
         if r["method"] == "nccl":
             assert r["speedup_vs_nccl"] == "" and float(r["bytes_ratio"]) == 1.0, r
         else:
