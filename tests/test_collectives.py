@@ -540,10 +540,12 @@ def _job_native_held(rank, world, seed):
     cfg = CollectiveConfig(check_calls="first", cost_model=model)
     n = 1 << 16
     gen = torch.Generator().manual_seed(seed)
-    seen, requests = [], []
+    seen, requests, weighed = [], [], []
     full = api._request  # made by the full path only: a held call on the short path makes none
-    made = []
+    made, bounds = [], []
     api._request = lambda *a, **k: made.append(1) or full(*a, **k)
+    least = CostModel.least_sparse  # held_now's verdict from the model
+    CostModel.least_sparse = lambda *a, **k: bounds.append(1) or least(*a, **k)
     try:
         for call in range(14):
             sparse = call >= 7
@@ -551,21 +553,23 @@ def _job_native_held(rank, world, seed):
             if sparse:  # 99% sparse: one element in a hundred kept, at random places
                 xs = [x * (torch.rand(n, generator=gen) < 0.01) for x in xs]
             x = xs[rank].clone()
-            before = len(made)
+            before, bounded = len(made), len(bounds)
             spccl_train.all_reduce(x, config=cfg)
             assert torch.equal(x, sum(xs)), f"call {call}"
             stats = last_stats()
             seen.append((stats.exchanges > 0, stats.algorithm))
             requests.append(len(made) > before)
+            weighed.append(len(bounds) > bounded)
     finally:
         api._request = full
-    return seen, requests, hashlib.sha256(x.numpy().tobytes()).hexdigest()
+        CostModel.least_sparse = least
+    return seen, requests, weighed, hashlib.sha256(x.numpy().tobytes()).hexdigest()
 
 
 def test_a_native_shape_is_held_without_exchanges(pools):
     got = pools(3).run(_job_native_held, _seed("held"))
     assert all(g == got[0] for g in got), "every rank holds alike, and ends with the same bits"
-    seen, requests, _ = got[0]
+    seen, requests, weighed, _ = got[0]
     exchanged = [e for e, _ in seen]
     # dense calls 0-6: exchanged, held 1; exchanged, held 2; exchanged, held 4 (calls 6-9, the
     # last three on sparse data); call 10 exchanges, sees the sparsity and goes sparse from then on
@@ -573,6 +577,9 @@ def test_a_native_shape_is_held_without_exchanges(pools):
     # the first held call takes the full path and leaves its route; later ones take the short path
     assert requests == [True, True, True, False, False, True, False, False, False, False, True, True, True, True]
     assert all(a == "native" for _, a in seen[:10]) and all(a != "native" for _, a in seen[10:]), seen
+    # the model's verdict (could any sparse candidate win?) is weighed when a hold runs out, not on
+    # the calls of a shape whose last exchanged call went sparse: the exchange weighs those
+    assert weighed == [False, False, True, False, False, True, False, False, False, False, True, False, False, False]
 
 
 def _job_held_verdict(rank, world, seed):

@@ -96,7 +96,9 @@ def held_now(
     """For a call that may go native unexchanged (:func:`goes_native_unexchanged`): whether its
     shape was checked and it goes native now, because the shape is held native
     (:class:`.state.NativeHolds`: its last exchanged call chose native; this spends one
-    call of the hold) or no sparse candidate can win: even its lower bound
+    call of the hold) or, unless its last exchanged call chose a sparse candidate (then it is
+    weighed again by the exchange, which :func:`goes_native_unexchanged` would delay on every call
+    of a shape that runs sparse), no sparse candidate can win: even its lower bound
     (:meth:`.cost.CostModel.least_sparse`, what any data would cost it at least), corrected by
     what the group learned (``corrections``: :func:`.context.corrections_of`), misses native's
     prediction by :data:`NATIVE_MARGIN`. A ``route`` keeps that last verdict while the group's
@@ -106,6 +108,8 @@ def held_now(
         return False
     if config.format == "dense" or state.holds.take(signature):
         return True
+    if state.holds.went_sparse(signature):
+        return False
     rounds = exchange_rounds(protocol(transport.world), collective)
     made = (-1 if corrections is None else corrections.revision, rounds)
     if route is not None and route.verdict is not None and route.verdict[0] == made:

@@ -90,11 +90,13 @@ class NativeHolds:
     starts after dense warm-up steps) is seen within this many calls, and a re-check costs at most
     1/17 of the calls an exchange."""
 
-    __slots__ = ("_holds",)
+    __slots__ = ("_holds", "_sparse")
 
     def __init__(self) -> None:
         self._holds: dict[Hashable, list[int]] = {}
         """``{signature: [calls left, hold]}``."""
+        self._sparse: set[Hashable] = set()
+        """Signatures whose last exchanged call chose anything but native (a trial included)."""
 
     def take(self, signature: Hashable) -> bool:
         """Whether this call of ``signature`` runs native unexchanged (one call of the hold spent)."""
@@ -109,12 +111,20 @@ class NativeHolds:
         hold; anything else ends it."""
         if not native:
             self._holds.pop(signature, None)
+            if len(self._sparse) >= 1024:  # every rank forgets alike
+                self._sparse.clear()
+            self._sparse.add(signature)
             return
+        self._sparse.discard(signature)
         if len(self._holds) >= 1024:  # every rank forgets alike
             self._holds.clear()
         previous = self._holds.get(signature)
         span = 1 if previous is None else min(2 * previous[1], self.MAX_HOLD)
         self._holds[signature] = [span, span]
+
+    def went_sparse(self, signature: Hashable) -> bool:
+        """Whether the last exchanged call of ``signature`` chose a sparse candidate (or ran a trial)."""
+        return signature in self._sparse
 
 
 class GroupState:
