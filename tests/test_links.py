@@ -475,6 +475,36 @@ def test_stalled_calls_raise_a_figure_only_three_in_a_row():
     assert observe(0.9) == 2.0 ** (round(16 * math.log2(0.9)) / 16)  # one fast call brings it back
 
 
+def test_a_candidate_left_for_refresh_calls_is_tried_again_and_its_fast_call_takes_it_back():
+    """Three stalls in a row leave a candidate with a raised figure; once REFRESH_CALLS calls at the
+    octave passed without it, it counts as untried there (one trial call), and a fast call then
+    brings its figure back down. A candidate still running never goes stale."""
+    c = feedback.Corrections()
+    nbytes, octave = 1 << 30, -10
+
+    def run(candidate: str, ratio: float = 1.0) -> None:
+        c.called("all_reduce", candidate, nbytes, 0.01, _Done(0.01 * ratio), torch.float32, "auto", octave)
+        c.learn([c.report()])
+
+    def tried() -> frozenset[str]:
+        return c.tried("all_reduce", nbytes, torch.float32, octave)
+
+    for ratio in (1.0, 1.0, 1.5, 1.5, 1.5):  # warm-up, a fast call, three stalls: left
+        run("direct/pici", ratio)
+    for _ in range(3):
+        run("direct/coo", 1.2)
+    raised = c.factors_for("all_reduce", nbytes, torch.float32, octave)["direct/pici"]
+    assert raised == 2.0 ** (round(16 * math.log2(1.5)) / 16)
+    for _ in range(feedback.REFRESH_CALLS - 4):
+        run("direct/coo", 1.2)
+    assert tried() == {"direct/pici", "direct/coo"}  # the last direct/pici run was REFRESH_CALLS - 1 calls ago
+    run("direct/coo", 1.2)
+    assert tried() == {"direct/coo"}
+    run("direct/pici", 1.0)  # the trial: fast again
+    assert tried() == {"direct/pici", "direct/coo"}
+    assert c.factors_for("all_reduce", nbytes, torch.float32, octave)["direct/pici"] == 1.0
+
+
 def test_a_calls_factors_come_from_its_own_group_of_kinds():
     """factors_for, least_local and the share of the unobserved walk only the kinds of the call's
     collective, size class and element type: the same figures as a walk over every kind seen."""

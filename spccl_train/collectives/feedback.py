@@ -55,12 +55,18 @@ direct/Pici's 82.0, inside the sticky margin, while they ran 73.8 and 82.7). So 
 candidate's factor is the least of them (to 1/16 of an octave, so that repeated calls share a
 memoised decision), in place of the kind's. The least, not the median: a call's time is the slowest
 rank's, so noise only adds to it (a socket stall, a rank that entered late), and a candidate leaves
-only after :data:`LOCAL_CALLS` slow calls in a row. One it left keeps the figure it left with, and
-is run again once the running one is seen to be slower, so a figure raised by noise is a candidate
-lost for good: with the median, two stalled direct/Pici calls of 256 MiB at 90% (2 ranks as 2
-emulated nodes on one H100, 2026-11-27) raised its figure past direct/COO's, and ``auto`` ran
-direct/COO from then on at 1.62x direct/Pici's time. The candidate ``auto`` runs is observed call
-after call, so its figure follows the links within :data:`LOCAL_CALLS` calls.
+only after :data:`LOCAL_CALLS` slow calls in a row. The candidate ``auto`` runs is observed call
+after call, so its figure follows the links within :data:`LOCAL_CALLS` calls; one it left keeps
+the figure it left with, so a figure raised by noise would be a candidate lost for good: with the
+median, two stalled direct/Pici calls of 256 MiB at 90% (2 ranks as 2 emulated nodes on one H100,
+2026-11-27) raised its figure past direct/COO's, and ``auto`` ran direct/COO from then on at 1.62x
+direct/Pici's time; with the least, on 2 H100s over NVLink (1 GiB fp32 at 99.9%, 2026-11-27), three
+slow direct/Pici calls in a row did the same, and ``auto`` ran direct/COO at 1.16x direct/Pici's
+time. So a tried candidate counts as tried at an octave only while it ran there within the last
+:data:`REFRESH_CALLS` calls of its collective, size class and element type at that octave: one left
+longer is run again once (a trial, if still within :data:`~.choice.TRIAL_MARGIN` of the choice),
+and that call's figure, the least of its last ones, takes it back if it is faster now. It costs at
+most one call in :data:`REFRESH_CALLS` per near candidate, as a native hold's re-check does.
 
 A sparse kind not yet observed takes a share of what the observed sparse kinds of its collective
 and size class learned (:data:`UNOBSERVED`): much of the model's error is shared by the
@@ -102,6 +108,7 @@ __all__ = [
     "LOCAL_CALLS",
     "NATIVE",
     "OWN_ONLY",
+    "REFRESH_CALLS",
     "STEP",
     "TRIAL_RUNS",
     "UNOBSERVED",
@@ -129,6 +136,9 @@ LOCAL_CALLS = 3
 TRIAL_RUNS = 2
 """Runs of a candidate at a call's density octave after which it counts as tried there
 (:meth:`Corrections.tried`)."""
+REFRESH_CALLS = 16
+"""Calls at a density octave (of one collective, size class and element type) after which a
+candidate not run among them counts as untried there again (:meth:`Corrections.tried`)."""
 UNOBSERVED = "*"
 """Key, in :meth:`Corrections.factors_for`, of the factor of sparse candidates with no
 observation of their own."""
@@ -195,6 +205,7 @@ class Corrections:
         "recent",
         "local",
         "runs",
+        "ran_at",
         "version",
         "revision",
         "_pending",
@@ -215,6 +226,9 @@ class Corrections:
         self.runs: dict[tuple[str, int, str, int], dict[str, int]] = {}
         """Calls run, by ``(collective, size class, element type, density octave)`` and candidate
         (calls whose octave was given: those that weighed their candidates)."""
+        self.ran_at: dict[tuple[str, int, str, int], dict[str, int]] = {}
+        """The same keys: the octave's call count at each candidate's last run, and under ``""``
+        the octave's calls so far."""
         self.last: dict[tuple[str, int, str, str], str] = {}
         """The candidate the group ran last, by ``(collective, size class, element type, scope)``
         (for ``choice.weigh``'s ``prefer``); the scope names the config that chose it, so that a
@@ -304,16 +318,25 @@ class Corrections:
         collective, candidate, size, of = kind
         self._pending = _Pending(kind, predicted_s, timer, octave)
         if octave is not None:
-            runs = self.runs.setdefault((collective, size, of, octave), {})
+            key = (collective, size, of, octave)
+            runs = self.runs.setdefault(key, {})
             runs[candidate] = runs.get(candidate, 0) + 1
+            at = self.ran_at.setdefault(key, {})
+            at[candidate] = at[""] = at.get("", 0) + 1
         if not trial:
             self.last[(collective, size, of, scope)] = candidate
 
     def tried(self, collective: str, nbytes: int, dtype: torch.dtype | None, octave: int) -> frozenset[str]:
         """The candidates run :data:`TRIAL_RUNS` times or more for calls of this collective, size
-        class and element type at density ``octave``, their kind's warm-up not counted."""
-        runs = self.runs.get((collective, size_class(nbytes), _type_name(dtype), octave))
-        return frozenset(name for name, n in runs.items() if n >= TRIAL_RUNS) if runs else frozenset()
+        class and element type at density ``octave``, their kind's warm-up not counted, and run
+        among the last :data:`REFRESH_CALLS` calls there."""
+        key = (collective, size_class(nbytes), _type_name(dtype), octave)
+        runs = self.runs.get(key)
+        if not runs:
+            return frozenset()
+        at = self.ran_at[key]
+        now = at[""]
+        return frozenset(name for name, n in runs.items() if n >= TRIAL_RUNS and now - at[name] < REFRESH_CALLS)
 
     def last_run(self, collective: str, nbytes: int, dtype: torch.dtype | None = None, scope: str = "") -> str | None:
         """The candidate the group ran last for a call of this collective, size class, element type
