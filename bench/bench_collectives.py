@@ -297,12 +297,12 @@ class _Row:
     than its like (every method alike); with few timed calls this tells such stalls from a cost
     every call of ``auto`` pays."""
     choice_vs_best: float | None = None
-    choice: _Row | None = None
-    """``auto/auto`` rows whose timed calls ran one fixed candidate: that candidate's row (not written)."""
     """``auto/auto`` rows whose timed calls ran one fixed candidate: that candidate's own time
     (its fixed method's row) over the best fixed candidate's. Against :attr:`auto_vs_best` it tells
     a wrong choice from the right one that cost more as ``auto``'s call (its planning, its model's
     exchanges)."""
+    choice: _Row | None = None
+    """``auto/auto`` rows whose timed calls ran one fixed candidate: that candidate's row (not written)."""
     exchanges: str = ""
     """The spccl calls' planning exchanges, per timed call (``"1 1 2"``): an all-reduce whose gather
     phase was measured pays a second one, a call run native under ``check_calls="first"`` none."""

@@ -60,9 +60,9 @@ after call, so its figure follows the links within :data:`LOCAL_CALLS` calls; on
 the figure it left with, so a figure raised by noise would be a candidate lost for good: with the
 median, two stalled direct/Pici calls of 256 MiB at 90% (2 ranks as 2 emulated nodes on one H100,
 2026-11-27) raised its figure past direct/COO's, and ``auto`` ran direct/COO from then on at 1.62x
-direct/Pici's time; with the least, on 2 H100s over NVLink (1 GiB fp32 at 99.9%, 2026-11-27), three
-slow direct/Pici calls in a row did the same, and ``auto`` ran direct/COO at 1.16x direct/Pici's
-time. So a tried candidate counts as tried at an octave only while it ran there within the last
+direct/Pici's time; with the least, on 2 H100s over NVLink (1 GiB fp32 at 99.9%, 2026-11-27),
+``auto`` left direct/Pici in its settling calls and ran direct/COO at 1.16x direct/Pici's time
+through all 15 timed calls. So a tried candidate counts as tried at an octave only while it ran there within the last
 :data:`REFRESH_CALLS` calls of its collective, size class and element type at that octave: one left
 longer is run again once (a trial, if still within :data:`~.choice.TRIAL_MARGIN` of the choice),
 and that call's figure, the least of its last ones, takes it back if it is faster now. It costs at
