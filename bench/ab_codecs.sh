@@ -11,8 +11,8 @@
 #   TREES="base wip" ROUNDS=1 PRUNING=0 bash bench/ab_codecs.sh tests
 # Environment: TREES (tarball names in .ab/, default "base"); CODEC_ARGS (bench_codecs.py's grid,
 # default 1 GiB, fp32 and bf16, 50-99.9%); ROUNDS (default 2: every tree once per round, in order);
-# PRUNING=0 skips bench_pruning.py (run once per tree, in round 1). "tests": the kernel tests on the
-# working tree's build afterwards. Writes $OUT/ab.tgz (every log and CSV) and $OUT/summary.log (the
+# PRUNING=0 skips bench_pruning.py (run once per tree, in round 1; PRUNING=every: in every round).
+# "tests": the kernel tests on the working tree's build afterwards. Writes $OUT/ab.tgz (every log and CSV) and $OUT/summary.log (the
 # Pici and COO rows and the pruning tables of every tree and round). The trees build in parallel
 # (about 15 s on 16 cores); a 1 GiB grid takes about 15 s per tree and round.
 set -uo pipefail
@@ -58,7 +58,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     (cd "$d" && SPCCL_EXT_DIR="/tmp/ab_ext_$t" SPCCL_GIT_COMMIT="$t" python3 bench/bench_codecs.py $codec_args \
       --out-dir "$OUT/ab/codecs_${t}_$round") > "$OUT/ab/codecs_${t}_$round.log" 2>&1
     grep -E "^(fp32|bf16|fp16) .* (pici|coo) " "$OUT/ab/codecs_${t}_$round.log" | tee -a "$log"
-    if [ "$round" = 1 ] && [ "${PRUNING:-1}" = 1 ]; then
+    if { [ "$round" = 1 ] && [ "${PRUNING:-1}" = 1 ]; } || [ "${PRUNING:-1}" = every ]; then
       (cd "$d" && SPCCL_EXT_DIR="/tmp/ab_ext_$t" SPCCL_GIT_COMMIT="$t" python3 bench/bench_pruning.py \
         --out-dir "$OUT/ab/pruning_$t") > "$OUT/ab/pruning_$t.log" 2>&1
       tail -n 8 "$OUT/ab/pruning_$t.log" | tee -a "$log"
