@@ -23,19 +23,6 @@ namespace {
 #endif
 constexpr uint32_t kDenseCompact = SPCCL_DENSE_COMPACT;
 
-// The plain compressor prefetches the unit after next into L2 when it claims it (prefetch_l2),
-// if the unit in hand had at least this many nonzeros per tile (the next ones likely alike). A
-// dense unit's compaction leaves the prefetch time to land; a sparse unit's step is short, and
-// there it cost a point. Measured on H100 (1 GiB, fraction of copy, two rounds, prefetching every
-// unit): fp32 0.92 -> 0.96 at 50% sparsity, 0.91 -> 0.93 at 75%, 0.91 at 90%, 0.92 -> 0.91 at
-// 99%, 0.93 -> 0.92 at 99.9%; bf16 0.85 -> 0.88, 0.83 -> 0.84, 0.84 -> 0.85, 0.87, 0.88. The
-// pruning compressor gained nothing (1 GiB of fp32 with fp32 errors: 1.338 -> 1.348 ms) and does
-// not prefetch (bench/results/2026-11-26_fourteenth/).
-#ifndef SPCCL_PREFETCH_MIN_NNZ
-#define SPCCL_PREFETCH_MIN_NNZ 256
-#endif
-constexpr uint32_t kPrefetchMinNnz = SPCCL_PREFETCH_MIN_NNZ;
-
 // Coalesced copy of `count` compacted values to A[base...]; nothing is written past capacity.
 // Two values per store (a 4- or 8-byte word) from the first aligned one on: bf16 at 50% sparsity
 // 0.73 -> 0.79 of copy on H100 (one store per value, each checked against the capacity, had
@@ -74,6 +61,11 @@ struct Unit {
   static constexpr int kTiles = Tile::kUnit;
   Tile part[kTiles];
 
+  // Whether a unit whose tiles held `nonzeros` calls for the unit after next (Tile::kPrefetchMin).
+  __device__ __forceinline__ static bool prefetches_after(uint32_t nonzeros) {
+    if constexpr (Tile::kPrefetchMin == 0) return true;
+    else return nonzeros >= kTiles * Tile::kPrefetchMin;
+  }
   __device__ __forceinline__ static void prefetch(const typename Tile::Source& s, int64_t unit) {
 #pragma unroll
     for (int u = 0; u < kTiles; ++u) Tile::prefetch(s, unit * kTiles + u);
@@ -308,9 +300,9 @@ __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kern
         }
         publish_prefix(mine, local, inclusive);  // first: later units' look-backs wait on it
         prefix_s = exclusive;
-        if constexpr (kOne && Tile::kPrefetch) {
+        if constexpr (kOne) {
           const int64_t after = claim_s[0];
-          if (after < units && inclusive - exclusive >= U * kPrefetchMinNnz)
+          if (after < units && Unit<Tile>::prefetches_after(inclusive - exclusive))
             Unit<Tile>::prefetch(source.at(row.piece.start, row.piece.n), after);
         }
         if (local == piece_units(row.piece.n, U) - 1) {  // the piece's last unit
@@ -366,7 +358,7 @@ __global__ void __launch_bounds__(kThreads, Tile::kMinBlocks) pici_compress_kern
         uint32_t nonzeros = 0;
 #pragma unroll
         for (int u = 0; u < U; ++u) nonzeros += total_s[u];
-        if (Tile::kPrefetch && lane == 0 && after < units && nonzeros >= U * kPrefetchMinNnz) {
+        if (lane == 0 && after < units && Unit<Tile>::prefetches_after(nonzeros)) {
           const Place& p = place_s[spare];
           Unit<Tile>::prefetch(source.at(p.row.piece.start, p.row.piece.n), p.local);
         }
