@@ -60,8 +60,8 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     grep -E "^(fp32|bf16|fp16) .* (pici|coo) " "$OUT/ab/codecs_${t}_$round.log" | tee -a "$log"
     if { [ "$round" = 1 ] && [ "${PRUNING:-1}" = 1 ]; } || [ "${PRUNING:-1}" = every ]; then
       (cd "$d" && SPCCL_EXT_DIR="/tmp/ab_ext_$t" SPCCL_GIT_COMMIT="$t" python3 bench/bench_pruning.py \
-        --out-dir "$OUT/ab/pruning_$t") > "$OUT/ab/pruning_$t.log" 2>&1
-      tail -n 8 "$OUT/ab/pruning_$t.log" | tee -a "$log"
+        --out-dir "$OUT/ab/pruning_${t}_$round") > "$OUT/ab/pruning_${t}_$round.log" 2>&1
+      tail -n 8 "$OUT/ab/pruning_${t}_$round.log" | tee -a "$log"
     fi
   done
 done

@@ -456,8 +456,8 @@ __device__ __forceinline__ uint32_t warp_total(uint32_t v) {
 // the bit walk is no longer what waits: bf16 at 95% (tiles of about 205) went 0.477 -> 0.457 ms
 // (0.83 -> 0.87) with 256 here instead of 128. With two marked elements of each column loaded
 // together per pass of the walk, 512 (tiles of about 410 at 90%) took 90% 0.497 -> 0.481 ms
-// (0.84 -> 0.86) and 95% 0.459; 1024 lost at 75% (0.553 -> 0.570 ms), so 512
-// (bench/results/2026-11-27_twentieth/).
+// (0.84 -> 0.86) and 95% 0.459, and cost 0.7% at 99% (0.439 -> 0.442 against the old walk at 256);
+// 1024 lost at 75% (0.553 -> 0.570 ms), so 512 (bench/results/2026-11-27_twentieth/).
 #ifndef SPCCL_SCATTER_MAX_16
 #define SPCCL_SCATTER_MAX_16 512
 #endif

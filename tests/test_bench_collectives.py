@@ -66,6 +66,8 @@ def test_smoke_grid(tmp_path):
             assert float(r["speedup_vs_nccl"]) > 0, r
         if r["method"] not in ("nccl", "naive_coo"):
             assert r["predicted_ms"] != "" and float(r["speedup_vs_naive"]) > 0, r
+    # the host's times are their own, not the calls' (which end after the return)
+    assert any(float(r["host_ms"]) < float(r["time_ms"]) for r in rows)
     # auto's rows rate its time and, where its timed calls ran one candidate, that candidate's own
     fixed = ("nccl", "pici/ring", "pici/direct", "coo/ring", "coo/direct")
     times, fastest = {}, {}

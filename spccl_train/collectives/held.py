@@ -1,8 +1,9 @@
 """Calls that run the native collective without a count exchange (``check_calls="first"``).
 
 After an exchange has checked a call shape on every rank, a call of that shape runs NCCL's own
-collective with no exchange when no sparse candidate could win it whatever its data, or while the
-shape is held native (:class:`.state.NativeHolds`: its last exchanged call chose native). The
+collective with no exchange while the shape is held native (:class:`.state.NativeHolds`: its last
+exchanged call chose native), or when no sparse candidate could win it whatever its data (unless
+its last exchanged call chose a sparse one: then the exchange weighs it). The
 first such call of a shape, on the full path (:func:`.api._run`), leaves a :class:`Route` in its
 group's state; later calls take the short path from :func:`.api._call`: :func:`lookup`, the local
 checks, :func:`run`. Both paths decide with :func:`held_now`, from inputs equal on every rank.
