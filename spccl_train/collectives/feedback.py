@@ -62,11 +62,12 @@ median, two stalled direct/Pici calls of 256 MiB at 90% (2 ranks as 2 emulated n
 2026-11-27) raised its figure past direct/COO's, and ``auto`` ran direct/COO from then on at 1.62x
 direct/Pici's time; with the least, on 2 H100s over NVLink (1 GiB fp32 at 99.9%, 2026-11-27),
 ``auto`` left direct/Pici in its settling calls and ran direct/COO at 1.16x direct/Pici's time
-through all 15 timed calls. So a tried candidate counts as tried at an octave only while it ran there within the last
-:data:`REFRESH_CALLS` calls of its collective, size class and element type at that octave: one left
-longer is run again once (a trial, if still within :data:`~.choice.TRIAL_MARGIN` of the choice),
-and that call's figure, the least of its last ones, takes it back if it is faster now. It costs at
-most one call in :data:`REFRESH_CALLS` per near candidate, as a native hold's re-check does.
+through all 15 timed calls. So a tried candidate counts as tried at an octave only while it ran
+there within the last :data:`REFRESH_CALLS` calls of its collective, size class and element type at
+that octave: one left longer is run again once (a trial, if still within
+:data:`~.choice.TRIAL_MARGIN` of the choice), and that call's figure, the least of its last ones,
+takes it back if it is faster now. It costs at most one call in :data:`REFRESH_CALLS` per near
+candidate, as a native hold's re-check does.
 
 A sparse kind not yet observed takes a share of what the observed sparse kinds of its collective
 and size class learned (:data:`UNOBSERVED`): much of the model's error is shared by the
