@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import time
 
 import torch
 
@@ -54,7 +55,21 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
 
 
+FREE_SETTLE_S = 0.1
+"""Seconds the device is left idle after a case's blocks go back to the driver."""
+
+
 def free_cache(device: torch.device) -> None:
-    """Return cached blocks to the driver between cases, so one case's buffers do not crowd the next."""
+    """Return cached blocks to the driver between cases, so one case's buffers do not crowd the next.
+
+    Then leave the device idle for ``FREE_SETTLE_S``: memory-bound kernels run slower for tens of
+    milliseconds after gigabytes are freed. On one H100 (bench/results/2026-11-27_twentyfirst/),
+    the first 7-18 of 20 timed bf16 Pici compress calls at 50% (1 GiB) after the 0% case's frees
+    took 0.682-0.687 ms against 0.626-0.636 for the rest, with the SM clock unchanged (1974-1986
+    MHz); with 100 ms of idle after each free every call took 0.625-0.635 ms. Without it the
+    median read 0.648-0.685 ms (0.86-0.82 of copy) in 10 of 17 sweeps, 0.629-0.633 in the others.
+    """
     if device.type == "cuda":
+        torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+        time.sleep(FREE_SETTLE_S)
