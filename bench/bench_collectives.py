@@ -53,6 +53,9 @@ prediction for the plan that ran (for ``nccl``, the model's native-dense predict
 point ran ``b`` (``auto``'s measured model corrects itself from the calls it observes:
 ``spccl_train/collectives/feedback.py``; the run ends by printing what it learned, also in the
 CSV's ``corrections``); ``bytes_ratio`` is bytes sent over a dense ring's, summed over ranks.
+``--trace`` writes ``<stem>_trace.csv`` beside the table: every call of the ``auto`` methods in
+order (verification, warm-up, settling, timed), with the candidate it ran, whether it was a trial,
+rank 0's time and every candidate's corrected prediction, to see why ``auto`` chose what it did.
 Memory per rank: the input, its working copy or the output, the reference and the tolerance (4
 full-size buffers for a 1 GiB all-reduce), freed after each case.
 
@@ -197,6 +200,8 @@ class _Settings:
     ranks_per_node: int | None
     emulate_nodes: int
     """Emulated nodes on this host (``spccl_train.emulation``; 0: none)."""
+    trace: bool
+    """Keep every call of the ``auto`` methods (:data:`_TRACE_FIELDS`) for ``<stem>_trace.csv``."""
     out_dir: pathlib.Path
     plot: bool
     smoke: bool
@@ -339,6 +344,8 @@ class _Env:
     backend: str
     fixed_group: dist.ProcessGroup
     """The group of the methods that choose nothing (every rank; its own corrections)."""
+    trace: list[dict[str, object]] | None = None
+    """``--trace``: a record of every ``auto`` call so far (:func:`_timed_call`)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -436,6 +443,12 @@ def _settings(argv: list[str] | None) -> _Settings:
         help="auto methods: up to this many more untimed calls, until two in a row run the same candidate, neither a trial "
         "(the calls auto spent are in the CSV's settle column and its choices in chosen; default 0)",
     )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="write every call of the auto methods (verification, warm-up, settling, timed) to <csv stem>_trace.csv: "
+        "the candidate it ran, whether a trial, its prediction and time, and every candidate's corrected prediction",
+    )
     parser.add_argument("--iters", type=int, help="timed calls below 256 MiB, median taken (default 10; smoke 2)")
     parser.add_argument("--iters-large", type=int, help="timed calls at >= 256 MiB (default 5)")
     parser.add_argument(
@@ -525,6 +538,7 @@ def _settings(argv: list[str] | None) -> _Settings:
         graphs=args.cuda_graphs,
         check_calls=args.check_calls,
         emulate_nodes=args.emulate_nodes,
+        trace=args.trace,
     )
 
 
@@ -564,7 +578,7 @@ def _methods(settings: _Settings) -> list[_Method]:
 # The job
 
 
-def _init(smoke: bool, emulate_nodes: int) -> _Env | None:
+def _init(smoke: bool, emulate_nodes: int, trace: bool) -> _Env | None:
     """Join the torchrun job: NCCL with one GPU per rank (or several ranks per GPU when there are
     more local ranks than GPUs), or gloo on the CPU under ``--smoke``; on emulated nodes if asked."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -584,6 +598,7 @@ def _init(smoke: bool, emulate_nodes: int) -> _Env | None:
         device=device,
         backend=dist.get_backend(),
         fixed_group=dist.new_group(list(range(dist.get_world_size()))),
+        trace=[] if trace else None,
     )
 
 
@@ -867,14 +882,51 @@ class _Timed(NamedTuple):
     """From the call's start to its return."""
 
 
-def _timed_call(method: _Method, case: _Case, env: _Env, poison: bool = False) -> _Timed:
+def _timed_call(method: _Method, case: _Case, env: _Env, phase: str, poison: bool = False) -> _Timed:
+    """One call, timed from its start to the device's end of it; ``phase`` (``verify``, ``warmup``,
+    ``settle`` or ``timed``) names it in the trace."""
     _prepare(case, poison)
     _gate(env)
     start = time.perf_counter()
     stats, sent = _call(method, case, env)
     returned = time.perf_counter()
     _sync(env)
-    return _Timed(time.perf_counter() - start, stats, sent, returned - start)
+    timed = _Timed(time.perf_counter() - start, stats, sent, returned - start)
+    if env.trace is not None and stats is not None and "auto" in (method.fmt, method.algorithm):
+        env.trace.append(_trace_record(method, case, phase, timed))
+    return timed
+
+
+_TRACE_FIELDS = (
+    "collective", "dtype", "pattern", "size_bytes", "sparsity", "method", "channels", "phase", "ran", "trial",
+    "predicted_ms", "time_ms", "host_ms", "exchanges", "candidates_ms",
+)  # fmt: skip
+"""The trace's columns: the point, the call's phase, the candidate it ran (``ran``; ``trial``: run
+to try it), its corrected prediction and this rank's measured times, and every candidate's
+corrected prediction, cheapest first."""
+
+
+def _trace_record(method: _Method, case: _Case, phase: str, timed: _Timed) -> dict[str, object]:
+    stats = timed.stats
+    return {
+        "collective": case.collective,
+        "dtype": case.dtype_name,
+        "pattern": case.pattern,
+        "size_bytes": case.size_bytes,
+        "sparsity": case.sparsity,
+        "method": method.name,
+        "channels": method.channels,
+        "phase": phase,
+        "ran": f"{stats.algorithm}/{stats.format.value}",
+        "trial": stats.trial,
+        "predicted_ms": round(1e3 * stats.predicted_s, 4),
+        "time_ms": round(1e3 * timed.seconds, 4),
+        "host_ms": round(1e3 * timed.host, 4),
+        "exchanges": stats.exchanges,
+        "candidates_ms": " ".join(
+            f"{name}:{1e3 * s:.3f}" for name, s in sorted(stats.candidates.items(), key=lambda kv: kv[1])
+        ),
+    }
 
 
 def _device_allocs(env: _Env) -> int:
@@ -962,7 +1014,7 @@ def _ready(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _Poi
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
     try:
-        first, stats, naive_sent, _ = _timed_call(method, case, env, poison=True)
+        first, stats, naive_sent, _ = _timed_call(method, case, env, "verify", poison=True)
         point.ok = _matches(case) and _clean(stats)
         if stats is not None:
             point.sent, point.dense = stats.bytes_sent, stats.dense_bytes
@@ -982,7 +1034,7 @@ def _ready(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _Poi
         # method may include one-time setup (NCCL creates its point-to-point communicators lazily).
         estimate = first
         if settings.warmup:
-            estimate = _timed_call(method, case, env).seconds
+            estimate = _timed_call(method, case, env, "warmup").seconds
             row.warmup = 1
         estimate = _gate(env, value=estimate)
         want = settings.iters_large if case.size_bytes >= _LARGE else settings.iters
@@ -990,13 +1042,13 @@ def _ready(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _Poi
         row.iters = max(1, min(want, left))
         more = max(0, min(settings.warmup - row.warmup, left - row.iters))
         for _ in range(more):
-            _timed_call(method, case, env)
+            _timed_call(method, case, env, "warmup")
         row.warmup += more
         if stats is not None and "auto" in (method.fmt, method.algorithm):
             # Every rank decides alike, so every rank leaves this loop at the same call.
             last, weighed = "", {}
             while row.settle < settings.settle:
-                stats = _timed_call(method, case, env).stats
+                stats = _timed_call(method, case, env, "settle").stats
                 row.settle += 1
                 now = f"{stats.algorithm}/{stats.format.value}"
                 if not row.chosen.endswith(now):
@@ -1059,7 +1111,7 @@ def _time_in_turn(points: list[_Point], case: _Case, env: _Env) -> None:
                 if env.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(env.device)
                 allocs = _device_allocs(env)
-                timed = _timed_call(current.method, case, env)
+                timed = _timed_call(current.method, case, env, "timed")
                 current.allocs += _device_allocs(env) - allocs
                 current.host_times.append(timed.host)
                 _note_timed(current, timed.seconds, timed.stats)
@@ -1472,7 +1524,7 @@ def _auto_summary(rows: list[_Row]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     settings = _settings(argv)
-    env = _init(settings.smoke, settings.emulate_nodes)
+    env = _init(settings.smoke, settings.emulate_nodes, settings.trace)
     if env is None:
         print(
             "run under torchrun, e.g. torchrun --standalone --nproc-per-node=4 bench/bench_collectives.py "
@@ -1600,7 +1652,16 @@ def _report(
         print(f"time limit ({settings.time_limit_s:g} s) reached: {skipped} of {total} cases skipped", flush=True)
     csv_path = stem.with_suffix(".csv")
     _rate_auto(rows)
-    _write_csv(rows, csv_path, meta)
+    if env.trace is not None:
+        trace_path = stem.parent / f"{stem.name}_trace.csv"
+        with trace_path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=("date", "commit", "world_size", *_TRACE_FIELDS))
+            writer.writeheader()
+            writer.writerows(
+                {"date": meta["date"], "commit": meta["commit"], "world_size": env.world, **r} for r in env.trace
+            )
+        print(f"wrote {trace_path} ({len(env.trace)} calls of auto, rank 0's times)")
+    _write_csv(rows, csv_path, meta)  # after the trace: the newest CSV of a run is its table
     title = f"{env.world} ranks on {meta['devices_used']} x {meta['device']}, torch {meta['torch']}, commit {meta['commit']}, {meta['date']}"
     pngs = _plot(rows, stem, title) if settings.plot and rows else []
     print(f"\n{len(rows)} points in {elapsed:.1f} s; wrote {csv_path}" + "".join(f"\n  {p}" for p in pngs))

@@ -41,7 +41,7 @@ def _run(out_dir: pathlib.Path, *args: str) -> list[dict[str, str]]:
     )
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-6000:]}\n{done.stderr[-6000:]}"
     assert "verification:" in done.stdout, done.stdout[-3000:]
-    (path,) = out_dir.glob("collectives_cpux2_*.csv")
+    (path,) = (p for p in out_dir.glob("collectives_cpux2_*.csv") if not p.stem.endswith("_trace"))
     with path.open(newline="") as f:
         return list(csv.DictReader(f))
 
@@ -98,12 +98,32 @@ def test_sweeps_bf16(tmp_path):
         tmp_path,
         *("--collectives", "all_reduce,reduce_scatter", "--patterns", "disjoint", "--sizes", "64K"),
         *("--sparsities", "99", "--dtype", "bf16", "--methods", "nccl,auto/auto,pici/ring,coo/direct"),
-        *("--channels", "1,2", "--thresholds-sweep", "0.5,1", "--no-plot", "--settle", "4"),
+        *("--channels", "1,2", "--thresholds-sweep", "0.5,1", "--no-plot", "--settle", "4", "--trace"),
     )
     assert rows and all(r["verified"] == "True" for r in rows)
     # --settle: auto takes 2 to 4 more untimed calls (it stops at two equal choices in a row); fixed methods none
     for r in rows:
         assert (2 <= int(r["settle"]) <= 4) if r["method"] == "auto/auto" else r["settle"] == "0", r
+    # --trace: every call of auto's points, in order, and nothing of the fixed methods
+    (path,) = tmp_path.glob("collectives_cpux2_*_trace.csv")
+    with path.open(newline="") as f:
+        calls = list(csv.DictReader(f))
+    autos = [r for r in rows if r["method"] == "auto/auto"]
+    assert {c["method"] for c in calls} == {"auto/auto"}
+    assert len(calls) == sum(1 + int(r["warmup"]) + int(r["settle"]) + int(r["iters"]) for r in autos)
+    for r in autos:
+        at = (r["collective"], r["size_bytes"], r["sparsity"], r["channels"])
+        mine = [c for c in calls if (c["collective"], c["size_bytes"], c["sparsity"], c["channels"]) == at]
+        assert [c["phase"] for c in mine] == ["verify"] + ["warmup"] * int(r["warmup"]) + ["settle"] * int(
+            r["settle"]
+        ) + ["timed"] * int(r["iters"]), mine
+        for c in mine:
+            assert c["ran"] in r["chosen"], (c, r["chosen"])
+            figures = {name: float(ms) for name, ms in (kv.rsplit(":", 1) for kv in c["candidates_ms"].split())}
+            assert list(figures.values()) == sorted(figures.values()), c
+            # the prediction is the figure the candidate was weighed with (corrected)
+            assert float(c["predicted_ms"]) == pytest.approx(figures[c["ran"]], abs=2e-3), c
+            assert float(c["time_ms"]) > 0 and 0 < float(c["host_ms"]) <= float(c["time_ms"]), c
     pici = {(r["channels"], r["threshold_scale"]) for r in rows if r["method"] == "pici/ring"}
     assert pici == {("1", "1.0"), ("1", "0.5"), ("2", "1.0"), ("2", "0.5")}
     assert {(r["channels"], r["threshold_scale"]) for r in rows if r["method"] == "auto/auto"} == {
