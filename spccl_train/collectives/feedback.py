@@ -179,6 +179,19 @@ def kind_of(
 
 
 @dataclasses.dataclass(slots=True)
+class _Runs:
+    """The calls at one density octave of one collective, size class and element type, for
+    :meth:`Corrections.tried`."""
+
+    calls: int = 0
+    """Calls so far (those that weighed their candidates)."""
+    runs: dict[str, int] = dataclasses.field(default_factory=dict)
+    """By candidate, its runs (a kind's warm-up left out)."""
+    last: dict[str, int] = dataclasses.field(default_factory=dict)
+    """By candidate, :attr:`calls` at its last run."""
+
+
+@dataclasses.dataclass(slots=True)
 class _Pending:
     kind: tuple[str, str, int, str]
     predicted_s: float
@@ -206,7 +219,6 @@ class Corrections:
         "recent",
         "local",
         "runs",
-        "ran_at",
         "version",
         "revision",
         "_pending",
@@ -224,12 +236,9 @@ class Corrections:
         self.local: dict[tuple[str, int, str, int], dict[str, list[float]]] = {}
         """The last :data:`LOCAL_CALLS` observed measured / predicted (uncorrected), by ``(collective,
         size class, element type, density octave)`` and candidate, the kind's first left out."""
-        self.runs: dict[tuple[str, int, str, int], dict[str, int]] = {}
-        """Calls run, by ``(collective, size class, element type, density octave)`` and candidate
-        (calls whose octave was given: those that weighed their candidates)."""
-        self.ran_at: dict[tuple[str, int, str, int], dict[str, int]] = {}
-        """The same keys: the octave's call count at each candidate's last run, and under ``""``
-        the octave's calls so far."""
+        self.runs: dict[tuple[str, int, str, int], _Runs] = {}
+        """The calls run, by ``(collective, size class, element type, density octave)`` (calls whose
+        octave was given: those that weighed their candidates)."""
         self.last: dict[tuple[str, int, str, str], str] = {}
         """The candidate the group ran last, by ``(collective, size class, element type, scope)``
         (for ``choice.weigh``'s ``prefer``); the scope names the config that chose it, so that a
@@ -319,11 +328,10 @@ class Corrections:
         collective, candidate, size, of = kind
         self._pending = _Pending(kind, predicted_s, timer, octave)
         if octave is not None:
-            key = (collective, size, of, octave)
-            runs = self.runs.setdefault(key, {})
-            runs[candidate] = runs.get(candidate, 0) + 1
-            at = self.ran_at.setdefault(key, {})
-            at[candidate] = at[""] = at.get("", 0) + 1
+            at = self.runs.setdefault((collective, size, of, octave), _Runs())
+            at.calls += 1
+            at.runs[candidate] = at.runs.get(candidate, 0) + 1
+            at.last[candidate] = at.calls
         if not trial:
             self.last[(collective, size, of, scope)] = candidate
 
@@ -331,13 +339,12 @@ class Corrections:
         """The candidates run :data:`TRIAL_RUNS` times or more for calls of this collective, size
         class and element type at density ``octave``, their kind's warm-up not counted, and run
         among the last :data:`REFRESH_CALLS` calls there."""
-        key = (collective, size_class(nbytes), _type_name(dtype), octave)
-        runs = self.runs.get(key)
-        if not runs:
+        at = self.runs.get((collective, size_class(nbytes), _type_name(dtype), octave))
+        if at is None:
             return frozenset()
-        at = self.ran_at[key]
-        now = at[""]
-        return frozenset(name for name, n in runs.items() if n >= TRIAL_RUNS and now - at[name] < REFRESH_CALLS)
+        return frozenset(
+            name for name, n in at.runs.items() if n >= TRIAL_RUNS and at.calls - at.last[name] < REFRESH_CALLS
+        )
 
     def last_run(self, collective: str, nbytes: int, dtype: torch.dtype | None = None, scope: str = "") -> str | None:
         """The candidate the group ran last for a call of this collective, size class, element type
@@ -371,7 +378,7 @@ class Corrections:
             self._members.setdefault((kind[0], kind[2], kind[3]), {})[kind] = None
             if pending.octave is not None:  # a run that taught nothing does not count as a trial's
                 collective, candidate, size, of = kind
-                self.runs[(collective, size, of, pending.octave)][candidate] -= 1
+                self.runs[(collective, size, of, pending.octave)].runs[candidate] -= 1
             share = self._shared(kind)
             if share is not None and kind[1] not in OWN_ONLY:
                 self.factors[kind] = share
