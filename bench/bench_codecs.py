@@ -18,7 +18,9 @@ Here, to check the script itself (CPU, 1 MiB, the reference codecs, host timer):
 
 Writes ``codecs_<device>_<date>.csv`` and a ``.png`` beside it (fraction of copy bandwidth
 against sparsity, one line per op and implementation, a panel per dtype at the largest size)
-into ``--out-dir``. ``sparsity`` is in percent. The commit is ``$SPCCL_GIT_COMMIT`` if set,
+into ``--out-dir``. ``sparsity`` is in percent; ``time_ms`` is the median of the reps, with the
+fastest and slowest beside it (``time_min_ms``, ``time_max_ms``; the summary prints the worst
+spread among the rows it judges). The commit is ``$SPCCL_GIT_COMMIT`` if set,
 else ``git rev-parse --short HEAD``, else ``unknown``.
 """
 
@@ -35,6 +37,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -118,6 +121,10 @@ class _Row:
     gbps: float = 0.0
     frac_copy: float = 0.0
     speedup_vs_torch: float | None = None
+    time_min_ms: float = 0.0
+    """The fastest rep (with :attr:`time_max_ms`, the slowest: their ratio shows a state of the
+    device that moved some reps, as the frees before a case did: benchlib.free_cache)."""
+    time_max_ms: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------
@@ -190,8 +197,20 @@ def _settings(argv: list[str] | None) -> _Settings:
 # Timing
 
 
-def _median_ms(step: Callable[[int], object], device: torch.device, reps: int, warmup: int) -> float:
-    """Median time of ``step(i)`` over ``reps`` calls, after ``warmup`` untimed ones.
+class _Times(NamedTuple):
+    """The reps' median, fastest and slowest, in ms."""
+
+    median: float
+    least: float
+    most: float
+
+    @classmethod
+    def of(cls, times: list[float]) -> _Times:
+        return cls(statistics.median(times), min(times), max(times))
+
+
+def _time_ms(step: Callable[[int], object], device: torch.device, reps: int, warmup: int) -> _Times:
+    """Times of ``step(i)`` over ``reps`` calls, after ``warmup`` untimed ones.
 
     On CUDA each call sits between two events; the GPU is held busy first so that the host
     can queue every call. On the CPU a host clock times each call.
@@ -204,7 +223,7 @@ def _median_ms(step: Callable[[int], object], device: torch.device, reps: int, w
             start = time.perf_counter()
             step(i)
             times.append(1e3 * (time.perf_counter() - start))
-        return statistics.median(times)
+        return _Times.of(times)
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -214,7 +233,7 @@ def _median_ms(step: Callable[[int], object], device: torch.device, reps: int, w
         step(i)
         ends[i].record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return _Times.of([s.elapsed_time(e) for s, e in zip(starts, ends)])
 
 
 def _copy_gbps(settings: _Settings) -> float:
@@ -228,7 +247,7 @@ def _copy_gbps(settings: _Settings) -> float:
 def _time_copy(size: int, settings: _Settings) -> float:
     src = torch.randn(size // 4, device=settings.device)
     dst = torch.empty_like(src)
-    return _median_ms(lambda i: dst.copy_(src), settings.device, max(settings.reps, 20), settings.warmup)
+    return _time_ms(lambda i: dst.copy_(src), settings.device, max(settings.reps, 20), settings.warmup).median
 
 
 # ---------------------------------------------------------------------------------------
@@ -271,7 +290,7 @@ class _Case:
     dsts: list[torch.Tensor]
     reps: int
 
-    def row(self, op: str, impl: str, backend: str, ms: float, moved: int, nnz: int, payload: int, ok: bool) -> _Row:
+    def row(self, op: str, impl: str, backend: str, ms: _Times, moved: int, nnz: int, payload: int, ok: bool) -> _Row:
         return _Row(
             dtype=self.dtype_name,
             size_bytes=self.size_bytes,
@@ -279,7 +298,9 @@ class _Case:
             op=op,
             impl=impl,
             backend=backend,
-            time_ms=ms,
+            time_ms=ms.median,
+            time_min_ms=ms.least,
+            time_max_ms=ms.most,
             bytes_moved=moved,
             nnz=nnz,
             payload_bytes=payload,
@@ -324,16 +345,16 @@ def _bench_spccl(case: _Case, fmt: str, settings: _Settings, backend: str) -> li
     decoded, accumulated = _verify(
         case, lambda dst: decode(0, dst, check=True), lambda dst: decode(0, dst, accumulate=True, check=True)
     )
-    time_compress = _median_ms(
+    time_compress = _time_ms(
         lambda i: formats.compress_into(fmt, case.xs[i % sets], bufs[i % sets], check=False),
         settings.device,
         case.reps,
         settings.warmup,
     )
-    time_decompress = _median_ms(
+    time_decompress = _time_ms(
         lambda i: decode(i % sets, case.dsts[i % sets]), settings.device, case.reps, settings.warmup
     )
-    time_accumulate = _median_ms(
+    time_accumulate = _time_ms(
         lambda i: decode(i % sets, case.dsts[i % sets], accumulate=True), settings.device, case.reps, settings.warmup
     )
     nnz, payload = round(statistics.mean(counts)), round(statistics.mean(sizes))
@@ -368,16 +389,14 @@ def _bench_torch(case: _Case, settings: _Settings) -> list[_Row]:
         lambda dst: _torch_decompress(*encoded[0], dst),
         lambda dst: _torch_accumulate(*encoded[0], dst),
     )
-    time_compress = _median_ms(
-        lambda i: _torch_compress(case.xs[i % sets]), settings.device, case.reps, settings.warmup
-    )
-    time_decompress = _median_ms(
+    time_compress = _time_ms(lambda i: _torch_compress(case.xs[i % sets]), settings.device, case.reps, settings.warmup)
+    time_decompress = _time_ms(
         lambda i: _torch_decompress(*encoded[i % sets], case.dsts[i % sets]),
         settings.device,
         case.reps,
         settings.warmup,
     )
-    time_accumulate = _median_ms(
+    time_accumulate = _time_ms(
         lambda i: _torch_accumulate(*encoded[i % sets], case.dsts[i % sets]),
         settings.device,
         case.reps,
@@ -469,6 +488,8 @@ def _write_csv(rows: list[_Row], path: pathlib.Path, meta: dict[str, str], copy_
         "impl",
         "backend",
         "time_ms",
+        "time_min_ms",
+        "time_max_ms",
         "bytes_moved",
         "gbps",
         "frac_copy",
@@ -494,6 +515,8 @@ def _write_csv(rows: list[_Row], path: pathlib.Path, meta: dict[str, str], copy_
                     "impl": r.impl,
                     "backend": r.backend,
                     "time_ms": f"{r.time_ms:.6f}",
+                    "time_min_ms": f"{r.time_min_ms:.6f}",
+                    "time_max_ms": f"{r.time_max_ms:.6f}",
                     "bytes_moved": r.bytes_moved,
                     "gbps": f"{r.gbps:.2f}",
                     "frac_copy": f"{r.frac_copy:.4f}",
@@ -593,6 +616,13 @@ def _summary(rows: list[_Row], settings: _Settings) -> None:
         f"targets: {total - len(missed)} of {total} fractions met"
         + (f"; missed: {', '.join(missed)}" if missed else "")
     )
+    spread = [r for r in pick.values() if r.sparsity in judged and r.time_min_ms > 0]
+    if spread:
+        worst = max(spread, key=lambda r: r.time_max_ms / r.time_min_ms)
+        print(
+            f"spread of those rows' reps (slowest / fastest): worst {worst.time_max_ms / worst.time_min_ms:.2f}x "
+            f"({worst.dtype} {worst.sparsity:g}% {worst.op}: {worst.time_min_ms:.3f}-{worst.time_max_ms:.3f} ms)"
+        )
     bad = [r for r in rows if not r.verified]
     print(
         f"verification: {len(rows) - len(bad)} of {len(rows)} timed rows decode bit for bit"
