@@ -290,7 +290,9 @@ class _Case:
     dsts: list[torch.Tensor]
     reps: int
 
-    def row(self, op: str, impl: str, backend: str, ms: _Times, moved: int, nnz: int, payload: int, ok: bool) -> _Row:
+    def row(
+        self, op: str, impl: str, backend: str, times: _Times, moved: int, nnz: int, payload: int, ok: bool
+    ) -> _Row:
         return _Row(
             dtype=self.dtype_name,
             size_bytes=self.size_bytes,
@@ -298,9 +300,9 @@ class _Case:
             op=op,
             impl=impl,
             backend=backend,
-            time_ms=ms.median,
-            time_min_ms=ms.least,
-            time_max_ms=ms.most,
+            time_ms=times.median,
+            time_min_ms=times.least,
+            time_max_ms=times.most,
             bytes_moved=moved,
             nnz=nnz,
             payload_bytes=payload,

@@ -580,7 +580,8 @@ def _methods(settings: _Settings) -> list[_Method]:
 
 def _init(smoke: bool, emulate_nodes: int, trace: bool) -> _Env | None:
     """Join the torchrun job: NCCL with one GPU per rank (or several ranks per GPU when there are
-    more local ranks than GPUs), or gloo on the CPU under ``--smoke``; on emulated nodes if asked."""
+    more local ranks than GPUs), or gloo on the CPU under ``--smoke``; on emulated nodes if asked.
+    ``trace``: rank 0 keeps a record of every ``auto`` call (``--trace``)."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
     emulate_nodes_env(emulate_nodes)  # before the group exists: NCCL reads it when it connects
@@ -598,7 +599,7 @@ def _init(smoke: bool, emulate_nodes: int, trace: bool) -> _Env | None:
         device=device,
         backend=dist.get_backend(),
         fixed_group=dist.new_group(list(range(dist.get_world_size()))),
-        trace=[] if trace else None,
+        trace=[] if trace and dist.get_rank() == 0 else None,
     )
 
 
@@ -917,14 +918,15 @@ def _trace_record(method: _Method, case: _Case, phase: str, timed: _Timed) -> di
         "method": method.name,
         "channels": method.channels,
         "phase": phase,
-        "ran": f"{stats.algorithm}/{stats.format.value}",
+        # as the candidates are named (a hierarchical call's format is its network step's)
+        "ran": "hierarchical" if stats.algorithm == "hierarchical" else f"{stats.algorithm}/{stats.format.value}",
         "trial": stats.trial,
-        "predicted_ms": round(1e3 * stats.predicted_s, 4),
-        "time_ms": round(1e3 * timed.seconds, 4),
-        "host_ms": round(1e3 * timed.host, 4),
+        "predicted_ms": f"{1e3 * stats.predicted_s:.4f}",
+        "time_ms": f"{1e3 * timed.seconds:.4f}",
+        "host_ms": f"{1e3 * timed.host:.4f}",
         "exchanges": stats.exchanges,
         "candidates_ms": " ".join(
-            f"{name}:{1e3 * s:.3f}" for name, s in sorted(stats.candidates.items(), key=lambda kv: kv[1])
+            f"{name}:{1e3 * s:.4f}" for name, s in sorted(stats.candidates.items(), key=lambda kv: kv[1])
         ),
     }
 

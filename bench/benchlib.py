@@ -64,10 +64,10 @@ def free_cache(device: torch.device) -> None:
 
     Then leave the device idle for ``FREE_SETTLE_S``: memory-bound kernels run slower for tens of
     milliseconds after gigabytes are freed. On one H100 (bench/results/2026-11-27_twentyfirst/),
-    the first 7-18 of 20 timed bf16 Pici compress calls at 50% (1 GiB) after the 0% case's frees
-    took 0.682-0.687 ms against 0.626-0.636 for the rest, with the SM clock unchanged (1974-1986
-    MHz); with 100 ms of idle after each free every call took 0.625-0.635 ms. Without it the
-    median read 0.648-0.685 ms (0.86-0.82 of copy) in 10 of 17 sweeps, 0.629-0.633 in the others.
+    the first 6-18 of 20 timed bf16 Pici compress calls at 50% (1 GiB) after the 0% case's frees
+    took 0.681-0.687 ms against 0.625-0.636 for the rest, with the SM clock unchanged (1971-1990
+    MHz); with 100 ms of idle after each free every call took 0.626-0.635 ms. Without it the
+    median read 0.648-0.684 ms (0.86-0.82 of copy) in 8 of 14 sweeps, 0.629-0.633 in the others.
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)

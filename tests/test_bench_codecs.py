@@ -58,13 +58,19 @@ def test_the_summary_judges_every_dtype_at_the_largest_size(bench, capsys, tmp_p
 
 def test_the_summary_shows_the_widest_spread_of_reps(bench, capsys, tmp_path):
     """A row whose slowest rep ran well above its fastest shows (as the reps timed just after a
-    case's frees did: bench/results/2026-11-27_twentyfirst/); the reps' times come from _Times."""
-    settings = bench._Settings(torch.device("cpu"), ["bf16"], [1 << 30], [50.0, 99.0], 1, 1, 0, tmp_path, False)
-    rows = _rows(bench, {("bf16", s, op): 0.9 for s in (50.0, 99.0) for op in bench._OPS}, 1 << 30)
+    case's frees did: bench/results/2026-11-27_twentyfirst/), among the rows the summary judges:
+    not at 0% sparsity, not at a smaller size."""
+    settings = bench._Settings(torch.device("cpu"), ["bf16"], [1 << 20, 1 << 30], [0.0, 50.0, 99.0], 1, 1, 0,
+                               tmp_path, False)  # fmt: skip
+    judged = {("bf16", s, op): 0.9 for s in (0.0, 50.0, 99.0) for op in bench._OPS}
+    rows = _rows(bench, judged, 1 << 30) + _rows(bench, judged, 1 << 20)
     for r in rows:
-        times = bench._Times.of([0.63, 0.64, 0.66] if (r.sparsity, r.op) != (50.0, "compress") else [0.63, 0.68, 0.69])
-        r.time_ms, r.time_min_ms, r.time_max_ms = times
+        reps = [0.63, 0.64, 0.66]
+        if (r.sparsity, r.op) == (50.0, "compress") and r.size_bytes == 1 << 30:
+            reps = [0.63, 0.68, 0.69]
+        elif r.sparsity == 0.0 or r.size_bytes == 1 << 20:  # wider, but not judged
+            reps = [0.5, 0.9, 2.0]
+        r.time_ms, r.time_min_ms, r.time_max_ms = bench._Times.of(reps)
     bench._summary(rows, settings)
     out = capsys.readouterr().out
     assert "spread of those rows' reps (slowest / fastest): worst 1.10x (bf16 50% compress: 0.630-0.690 ms)" in out
-    assert bench._Times.of([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)

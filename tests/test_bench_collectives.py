@@ -14,6 +14,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -98,12 +99,13 @@ def test_sweeps_bf16(tmp_path):
         tmp_path,
         *("--collectives", "all_reduce,reduce_scatter", "--patterns", "disjoint", "--sizes", "64K"),
         *("--sparsities", "99", "--dtype", "bf16", "--methods", "nccl,auto/auto,pici/ring,coo/direct"),
-        *("--channels", "1,2", "--thresholds-sweep", "0.5,1", "--no-plot", "--settle", "4", "--trace"),
+        *("--channels", "1,2", "--thresholds-sweep", "0.5,1", "--no-plot", "--settle", "4", "--trace", "--warmup", "2"),
     )
     assert rows and all(r["verified"] == "True" for r in rows)
     # --settle: auto takes 2 to 4 more untimed calls (it stops at two equal choices in a row); fixed methods none
     for r in rows:
         assert (2 <= int(r["settle"]) <= 4) if r["method"] == "auto/auto" else r["settle"] == "0", r
+        assert r["warmup"] == "2", r
     # --trace: every call of auto's points, in order, and nothing of the fixed methods
     (path,) = tmp_path.glob("collectives_cpux2_*_trace.csv")
     with path.open(newline="") as f:
@@ -208,6 +210,27 @@ def test_methods_that_choose_nothing_run_on_a_group_of_their_own(bench, monkeypa
         bench._call(bench._Method(f"{fmt}/{algorithm}", fmt, algorithm), case, env)
     bench._call(bench._Method("coo/hierarchical", "coo", "hierarchical"), case, env)
     assert groups == [own, own, None, None, None, None]
+
+
+def test_a_trace_names_what_ran_as_the_candidates_are_named(bench):
+    """A trace row's ``ran`` is a key of its ``candidates_ms``: a hierarchical call (whose stats carry
+    its network step's format) is ``hierarchical``, as auto weighed it."""
+    from spccl_train.formats import Format
+
+    case = bench._Case(
+        collective="all_reduce", dtype_name="fp32", dtype=torch.float32, pattern="iid", sparsity=99.0,
+        size_bytes=64, x0=torch.zeros(16), fingerprint=0, ref=torch.zeros(16), tol=None, work=torch.zeros(16),
+    )  # fmt: skip
+    method = bench._Method("auto/auto", "auto", "auto")
+    for algorithm, fmt, name in (("hierarchical", Format.COO, "hierarchical"), ("direct", Format.PICI, "direct/pici")):
+        stats = types.SimpleNamespace(
+            algorithm=algorithm, format=fmt, trial=False, predicted_s=0.002, exchanges=1,
+            candidates={"direct/pici": 0.003, name: 0.002, "native/dense": 0.009},
+        )  # fmt: skip
+        record = bench._trace_record(method, case, "timed", bench._Timed(0.0025, stats, 0, 0.001))
+        assert record["ran"] == name
+        assert record["candidates_ms"].split()[0] == f"{name}:2.0000"
+        assert (record["predicted_ms"], record["time_ms"], record["host_ms"]) == ("2.0000", "2.5000", "1.0000")
 
 
 def test_auto_settles_when_its_predictions_stop_moving(bench):

@@ -185,7 +185,7 @@ class _Runs:
 
     calls: int = 0
     """Calls so far (those that weighed their candidates)."""
-    runs: dict[str, int] = dataclasses.field(default_factory=dict)
+    count: dict[str, int] = dataclasses.field(default_factory=dict)
     """By candidate, its runs (a kind's warm-up left out)."""
     last: dict[str, int] = dataclasses.field(default_factory=dict)
     """By candidate, :attr:`calls` at its last run."""
@@ -328,10 +328,10 @@ class Corrections:
         collective, candidate, size, of = kind
         self._pending = _Pending(kind, predicted_s, timer, octave)
         if octave is not None:
-            at = self.runs.setdefault((collective, size, of, octave), _Runs())
-            at.calls += 1
-            at.runs[candidate] = at.runs.get(candidate, 0) + 1
-            at.last[candidate] = at.calls
+            here = self.runs.setdefault((collective, size, of, octave), _Runs())
+            here.calls += 1
+            here.count[candidate] = here.count.get(candidate, 0) + 1
+            here.last[candidate] = here.calls
         if not trial:
             self.last[(collective, size, of, scope)] = candidate
 
@@ -339,11 +339,11 @@ class Corrections:
         """The candidates run :data:`TRIAL_RUNS` times or more for calls of this collective, size
         class and element type at density ``octave``, their kind's warm-up not counted, and run
         among the last :data:`REFRESH_CALLS` calls there."""
-        at = self.runs.get((collective, size_class(nbytes), _type_name(dtype), octave))
-        if at is None:
+        here = self.runs.get((collective, size_class(nbytes), _type_name(dtype), octave))
+        if here is None:
             return frozenset()
         return frozenset(
-            name for name, n in at.runs.items() if n >= TRIAL_RUNS and at.calls - at.last[name] < REFRESH_CALLS
+            name for name, n in here.count.items() if n >= TRIAL_RUNS and here.calls - here.last[name] < REFRESH_CALLS
         )
 
     def last_run(self, collective: str, nbytes: int, dtype: torch.dtype | None = None, scope: str = "") -> str | None:
@@ -378,7 +378,7 @@ class Corrections:
             self._members.setdefault((kind[0], kind[2], kind[3]), {})[kind] = None
             if pending.octave is not None:  # a run that taught nothing does not count as a trial's
                 collective, candidate, size, of = kind
-                self.runs[(collective, size, of, pending.octave)].runs[candidate] -= 1
+                self.runs[(collective, size, of, pending.octave)].count[candidate] -= 1
             share = self._shared(kind)
             if share is not None and kind[1] not in OWN_ONLY:
                 self.factors[kind] = share

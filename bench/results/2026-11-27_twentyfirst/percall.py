@@ -6,6 +6,8 @@ Run: python3 percall.py   (from the repository root)
 Then the same inside bench_codecs.main (its default sweep, bf16 only), twice. With the argument
 `sweep`: only the sweep, once, with bench_codecs' timer as it is (its times kept, and the SM clock
 from the hold's length); `sweep idle`: the same with the device idle 100 ms after each case's free.
+Run at 1406916: it patches bench_codecs._median_ms, which 9a96574 renamed (_time_ms, returning the
+fastest and slowest rep too), and since a108443 bench_codecs idles after each free.
 """
 
 import dataclasses
