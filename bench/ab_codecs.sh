@@ -12,9 +12,10 @@
 # Environment: TREES (tarball names in .ab/, default "base"); CODEC_ARGS (bench_codecs.py's grid,
 # default 1 GiB, fp32 and bf16, 50-99.9%); ROUNDS (default 2: every tree once per round, in order);
 # PRUNING=0 skips bench_pruning.py (run once per tree, in round 1; PRUNING=every: in every round).
-# "tests": the kernel tests on the working tree's build afterwards. Writes $OUT/ab.tgz (every log and CSV) and $OUT/summary.log (the
-# Pici and COO rows and the pruning tables of every tree and round). The trees build in parallel
-# (about 15 s on 16 cores); a 1 GiB grid takes about 15 s per tree and round.
+# "tests": the kernel tests on the working tree's build afterwards. Writes $OUT/ab.tgz (every log
+# and CSV) and $OUT/summary.log (the Pici and COO rows and the pruning tables of every tree and
+# round). The trees build in parallel (about 15 s on 16 cores); a 1 GiB grid takes about 15 s per
+# tree and round.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1

@@ -324,8 +324,8 @@ class _Row:
     rank's of each call): what the host spent in it, its waits on the device included."""
     device_allocs: int = 0
     """Device memory the caching allocator took from the driver (``cudaMalloc``) over the timed
-    calls (each with its input's reset and its gate), the most of any rank: each such allocation synchronises, so a nonzero count says the
-    allocator, not the method, cost some of the time."""
+    calls (each with its input's reset and its gate), the most of any rank: each such allocation
+    synchronises, so a nonzero count says the allocator, not the method, cost some of the time."""
     verified: bool = False
     error: str = ""
 
