@@ -281,9 +281,9 @@ def _call(
     if route is not None and _fits(collective, input, output, transport):
         if input.requires_grad or output.requires_grad:  # it writes its output, as the full path does
             with torch.no_grad():
-                ran = held.run(collective, transport, config, route, input, output, planning_stream)
+                ran = held.run(transport, route, input, output, planning_stream)
         else:  # (entering no_grad costs a few microseconds, all of them before NCCL's launch)
-            ran = held.run(collective, transport, config, route, input, output, planning_stream)
+            ran = held.run(transport, route, input, output, planning_stream)
         if ran is not None:
             _local.stats = ran[0]
             return CollectiveWork([output], *ran) if async_op else None

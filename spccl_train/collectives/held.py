@@ -6,7 +6,8 @@ exchanged call chose native), or when no sparse candidate could win it whatever 
 its last exchanged call chose a sparse one: then the exchange weighs it). The
 first such call of a shape, on the full path (:func:`.api._run`), leaves a :class:`Route` in its
 group's state; later calls take the short path from :func:`.api._call`: :func:`lookup`, the local
-checks, :func:`run`. Both paths decide with :func:`held_now`, from inputs equal on every rank.
+checks, :func:`run`. Both paths decide alike (:func:`held_now`, :meth:`Route.held_now`), from
+inputs equal on every rank.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from ..transport import P2PTransport
 from .choice import NATIVE_MARGIN
 from .chunking import ChunkLayout
 from .config import CollectiveConfig
-from .context import corrections_of, model_of, ranks_per_node
+from .context import corrections_of, model_of
+from .cost import CostModel
 from .exchange import Request, exchange_rounds, protocol
 from .executors import native_collective
 from .feedback import Corrections, factor_of, kind_of
-from .state import state_of
+from .state import GroupState, state_of
 from .stats import CollectiveStats, dense_ring_bytes
 from .topology import Topology
 
@@ -35,6 +37,7 @@ __all__ = [
     "held_now",
     "lookup",
     "native_call",
+    "no_sparse_wins",
     "remember_checked",
     "route_of",
     "run",
@@ -92,31 +95,49 @@ def held_now(
     transport: P2PTransport,
     topology: Topology,
     corrections: Corrections | None,
-    route: Route | None = None,
 ) -> bool:
     """For a call that may go native unexchanged (:func:`goes_native_unexchanged`): whether its
-    shape was checked and it goes native now, because the shape is held native
-    (:class:`.state.NativeHolds`: its last exchanged call chose native; this spends one
-    call of the hold) or, unless its last exchanged call chose a sparse candidate (then it is
-    weighed again by the exchange, which :func:`goes_native_unexchanged` would delay on every call
-    of a shape that runs sparse), no sparse candidate can win: even its lower bound
-    (:meth:`.cost.CostModel.least_sparse`, what any data would cost it at least), corrected by
-    what the group learned (``corrections``: :func:`.context.corrections_of`), misses native's
-    prediction by :data:`NATIVE_MARGIN`. A ``route`` keeps that last verdict while the group's
-    corrections and the exchange protocol stay as they were."""
-    state = state_of(transport)
+    shape was checked and it goes native now (:func:`_by_holds`, else :func:`no_sparse_wins`).
+    The short path decides alike from its :class:`Route` (:meth:`Route.held_now`)."""
+    held = _by_holds(state_of(transport), config.format == "dense", signature)
+    if held is not None:
+        return held
+    rounds = exchange_rounds(protocol(transport.world), collective)
+    model = model_of(config, transport, topology, device).model  # made by the checked call already
+    return no_sparse_wins(collective, model, topology, layout.numel, dtype, corrections, rounds)
+
+
+def _by_holds(state: GroupState, dense: bool, signature: tuple[int, ...]) -> bool | None:
+    """Whether a call of ``signature`` goes native unexchanged as far as its group's state says:
+    not unless an exchange checked its shape; yes for a dense config, or while the shape is held
+    native (:class:`.state.NativeHolds`: its last exchanged call chose native; this spends one
+    call of the hold); not if its last exchanged call chose a sparse candidate (the exchange
+    weighs it again: weighing it here would delay every call of a shape that runs sparse);
+    ``None``: the model decides (:func:`no_sparse_wins`)."""
     if signature not in state.checked:
         return False
-    if config.format == "dense" or state.holds.take(signature):
+    if dense or state.holds.take(signature):
         return True
     if state.holds.went_sparse(signature):
         return False
-    rounds = exchange_rounds(protocol(transport.world), collective)
-    made = (-1 if corrections is None else corrections.revision, rounds)
-    if route is not None and route.verdict is not None and route.verdict[0] == made:
-        return route.verdict[1]
-    model = model_of(config, transport, topology, device).model  # made by the checked call already
-    nbytes = layout.numel * element_size(dtype)
+    return None
+
+
+def no_sparse_wins(
+    collective: str,
+    model: CostModel,
+    topology: Topology,
+    numel: int,
+    dtype: torch.dtype,
+    corrections: Corrections | None,
+    rounds: int,
+) -> bool:
+    """Whether no sparse candidate can win a call whatever its data: even the candidates' lower
+    bound (:meth:`.cost.CostModel.least_sparse`, what any data would cost them at least),
+    corrected by what the group learned (``corrections``: :func:`.context.corrections_of`),
+    misses native's prediction by :data:`NATIVE_MARGIN`. ``rounds``: the exchange's host
+    synchronisations, which every candidate would pay."""
+    nbytes = numel * element_size(dtype)
     factors = corrections.factors_for(collective, nbytes, dtype) if corrections is not None else None
     sparse_factor = min(
         factor_of(factors, name) for name in ("ring/pici", "ring/coo", "direct/pici", "direct/coo", "hierarchical")
@@ -125,51 +146,82 @@ def held_now(
     if local is not None:  # what a sparse candidate took at some density octave (no octave is weighed here)
         sparse_factor = min(sparse_factor, local)
     extra = (rounds - 1) * model.exchange_s  # what an exchange's further rounds would add to every candidate
-    native = (model.predict_native(collective, layout.numel, dtype, topology) + extra) * factor_of(
-        factors, "native/dense"
-    )
-    least = model.least_sparse(collective, layout.numel, dtype, topology, rounds) * sparse_factor
-    verdict = least >= native * (1 - NATIVE_MARGIN)
-    if route is not None:
-        route.verdict = (made, verdict)
-    return verdict
+    native = (model.predict_native(collective, numel, dtype, topology) + extra) * factor_of(factors, "native/dense")
+    least = model.least_sparse(collective, numel, dtype, topology, rounds) * sparse_factor
+    return least >= native * (1 - NATIVE_MARGIN)
 
 
 class Route:
-    """What a call shape that went native without an exchange needs for its next such call, made
-    once (:func:`route_of`)."""
+    """What the later calls of a shape that went native unexchanged need, made once by the first
+    such call (:func:`route_of`) so that theirs is a short path: on NVLink the host's time up to
+    NCCL's launch is most of what such a call adds to NCCL's own (56-64 us of 88-97 us over NCCL's
+    256 MiB call on 2 H100s at 831a008, when the short path still read the launch's environment
+    and looked up the group's state, corrections and model on every call:
+    bench/results/2026-11-27_twentysecond/). The group's state, corrections, model and exchange
+    rounds are those of the route's first call: every rank makes its route at the same call,
+    from the same inputs, and a re-measured model forgets every route
+    (:func:`.links.forget_measured`)."""
 
-    __slots__ = ("signature", "layout", "topology", "fingerprint", "predicted_s", "kind", "dense", "verdict")
+    __slots__ = (
+        "collective", "signature", "numel", "dtype", "topology", "state", "dense_config", "corrections", "model",
+        "rounds", "fingerprint", "predicted_s", "kind", "dense", "verdict",
+    )  # fmt: skip
 
     def __init__(
         self,
+        collective: str,
         signature: tuple[int, ...],
         layout: ChunkLayout,
+        dtype: torch.dtype,
         topology: Topology,
+        state: GroupState,
+        config: CollectiveConfig,
+        corrections: Corrections | None,
+        model: CostModel,
+        rounds: int,
         fingerprint: str,
-        predicted_s: float,
-        kind: tuple[str, str, int, str],
-        dense: int,
     ) -> None:
+        self.collective = collective
         self.signature = signature
-        self.layout = layout
+        self.numel = layout.numel
+        self.dtype = dtype
         self.topology = topology
+        self.state = state
+        self.dense_config = config.format == "dense"
+        self.corrections = corrections
+        self.model = model
+        self.rounds = rounds
         self.fingerprint = fingerprint
-        self.predicted_s = predicted_s
+        self.predicted_s = model.predict_native(collective, layout.numel, dtype, topology, exchanges=0)
         """The native call's prediction, without an exchange or corrections."""
-        self.kind = kind
+        self.kind = kind_of(collective, "native/dense", layout.numel * element_size(dtype), dtype)
         """The native call's kind of correction (:func:`.feedback.kind_of`)."""
-        self.dense = dense
+        self.dense = dense_ring_bytes(collective, layout.numel, topology.world, element_size(dtype))
         """The bytes a dense ring sends (the stats' ``bytes_sent`` and ``dense_bytes``)."""
-        self.verdict: tuple[tuple[int, int], bool] | None = None
-        """:func:`held_now`'s last verdict from the model: what it was made under (the
-        corrections' revision, the exchange's rounds), and whether no sparse candidate could win."""
+        self.verdict: tuple[int, bool] | None = None
+        """:func:`no_sparse_wins`' last verdict, with the corrections' revision it was made under."""
+
+    def held_now(self) -> bool:
+        """:func:`held_now` for a call of this route: the model's verdict is weighed again only
+        when the group's corrections have changed since the last."""
+        held = _by_holds(self.state, self.dense_config, self.signature)
+        if held is not None:
+            return held
+        revision = -1 if self.corrections is None else self.corrections.revision
+        if self.verdict is None or self.verdict[0] != revision:
+            wins = no_sparse_wins(
+                self.collective, self.model, self.topology, self.numel, self.dtype, self.corrections, self.rounds
+            )
+            self.verdict = (revision, wins)
+        return self.verdict[1]
 
 
-def route_key(collective: str, config: CollectiveConfig, rpn: int | None, inp, out) -> tuple:
+def route_key(collective: str, config: CollectiveConfig, inp, out) -> tuple:
     """What a call's signature depends on, read from its arguments without checking them (a key
-    of its group's ``routes``; an all-reduce's ``out`` is its ``inp``)."""
-    key = (collective, config.key(), rpn, inp.numel(), inp.dtype, inp.device)
+    of its group's ``routes``; an all-reduce's ``out`` is its ``inp``). The nodes the launch's
+    environment gives (:func:`.context.ranks_per_node`, two variables read) are not in it: a route
+    keeps those of its first call, as the running job's launch does."""
+    key = (collective, config.key(), inp.numel(), inp.dtype, inp.device)
     return key if out is inp else key + (out.numel(), out.dtype, out.device)
 
 
@@ -185,23 +237,25 @@ def route_of(
     out: torch.Tensor,
 ) -> Route:
     """The route of a call that goes native unexchanged (made once per shape; remembered)."""
-    routes = state_of(transport).routes
-    key = route_key(collective, config, rpn, inp, out)
-    route = routes.get(key)
+    state = state_of(transport)
+    key = route_key(collective, config, inp, out)
+    route = state.routes.get(key)
     if route is None:
-        if len(routes) >= 256:  # every rank forgets alike; a forgotten route is made again
-            routes.clear()
-        p = transport.world
-        topology = Topology(p, rpn)
-        model = model_of(config, transport, topology, inp.device).model
-        route = routes[key] = Route(
-            signature=signature(request),
-            layout=layout,
-            topology=topology,
-            fingerprint=fingerprint,
-            predicted_s=model.predict_native(collective, layout.numel, inp.dtype, topology, exchanges=0),
-            kind=kind_of(collective, "native/dense", layout.numel * inp.element_size(), inp.dtype),
-            dense=dense_ring_bytes(collective, layout.numel, p, inp.element_size()),
+        if len(state.routes) >= 256:  # every rank forgets alike; a forgotten route is made again
+            state.routes.clear()
+        topology = Topology(transport.world, rpn)
+        route = state.routes[key] = Route(
+            collective,
+            signature(request),
+            layout,
+            inp.dtype,
+            topology,
+            state,
+            config,
+            corrections_of(config, transport),
+            model_of(config, transport, topology, inp.device).model,
+            exchange_rounds(protocol(transport.world), collective),
+            fingerprint,
         )
     return route
 
@@ -213,32 +267,29 @@ def lookup(
     (``None``: take the full path). The caller checks the tensors before :func:`run`."""
     if not applies(config):
         return None
-    return state_of(transport).routes.get(route_key(collective, config, ranks_per_node(config, transport), inp, out))
+    return state_of(transport).routes.get(route_key(collective, config, inp, out))
 
 
 def run(
-    collective: str,
     transport: P2PTransport,
-    config: CollectiveConfig,
     route: Route,
     inp: torch.Tensor,
     out: torch.Tensor,
     planning_stream: torch.cuda.Stream | None,
 ) -> tuple[CollectiveStats, torch.cuda.Event | None] | None:
-    """The short path of a call of ``route``'s shape, its tensors checked: decided exactly as
-    :func:`goes_native_unexchanged` decides, then :func:`native_call` (``None``: the call
-    exchanges, on the full path). It skips the request, the layout, the model and topology
-    look-ups, the native prediction and, while the group's corrections stand, the model's verdict."""
-    corrections = corrections_of(config, transport)
-    dtype, device = inp.dtype, inp.device
-    if not held_now(
-        collective, config, route.signature, route.layout, dtype, device, transport, route.topology, corrections, route
-    ):
+    """The short path of a call of ``route``'s shape, its tensors checked: decided as
+    :func:`goes_native_unexchanged` decides (:meth:`Route.held_now`), then :func:`native_call`
+    (``None``: the call exchanges, on the full path). It skips the request, the layout, the
+    model, corrections and topology look-ups, the native prediction and, while the group's
+    corrections stand, the model's verdict."""
+    if not route.held_now():
         return None
     if planning_stream is not None:  # the input is ready on the planning stream
-        torch.cuda.current_stream(device).wait_stream(planning_stream)
+        torch.cuda.current_stream(inp.device).wait_stream(planning_stream)
     x, y = (inp, inp) if out is inp else (inp.view(-1), out.view(-1))  # an all-reduce is taken as it is
-    return native_call(collective, transport, route, x, y, corrections, None if x.is_cuda else Span(device))
+    return native_call(
+        route.collective, transport, route, x, y, route.corrections, None if x.is_cuda else Span(x.device)
+    )
 
 
 def native_call(
