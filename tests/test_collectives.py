@@ -48,6 +48,7 @@ from spccl_train.collectives import (
     api,
     last_stats,
     learned_corrections,
+    measure_links,
     reuse,
 )
 from spccl_train.collectives.choice import NATIVE_MARGIN
@@ -55,6 +56,7 @@ from spccl_train.collectives.chunking import ChunkLayout
 from spccl_train.collectives.cost import CodecCost, LinkCost
 from spccl_train.collectives.exchange import exchange_rounds
 from spccl_train.collectives.feedback import kind_of
+from spccl_train.collectives.topology import Topology
 from spccl_train.formats import Format, compress_into, message_bytes
 
 SEED = int(os.environ.get("SPCCL_TEST_SEED", random.SystemRandom().randrange(2**31)))
@@ -535,7 +537,9 @@ def _job_native_held(rank, world, seed):
     """``check_calls="first"``: a shape whose exchanged call chose native (dense data: no
     candidate sends anything sparse) runs native unexchanged for 1, 2, 4, ... calls between
     exchanges; when the data turns sparse, the next exchange sees it and the hold ends."""
-    slow = LinkCost(latency_s=1e-5, bandwidth=1e8)  # sparse wins on sparse data, not on dense data
+    # sparse wins on sparse data, not on dense data, where a held native call (priced with no
+    # exchange) is cheaper than any sparse one with its exchange
+    slow = LinkCost(latency_s=1e-5, bandwidth=2.5e7)
     model = dataclasses.replace(CostModel.default("cpu"), intra=slow, inter=slow)
     cfg = CollectiveConfig(check_calls="first", cost_model=model)
     n = 1 << 16
@@ -580,6 +584,41 @@ def test_a_native_shape_is_held_without_exchanges(pools):
     # the model's verdict (could any sparse candidate win?) is weighed when a hold runs out, not on
     # the calls of a shape whose last exchanged call went sparse: the exchange weighs those
     assert weighed == [False, False, True, False, False, True, False, False, False, False, True, False, False, False]
+
+
+def _job_native_priced_as_held(rank, world):
+    """Where calls hold native, ``auto`` prices the native call with no exchange (what the held
+    calls take) and observes an exchanged native choice from NCCL's call alone, as a held call is
+    observed; checking every call, native is priced with its exchange, as it runs."""
+    n = 4096
+    given = CostModel.default("cpu")
+    topology = Topology(world)
+    got = {}
+    for check in ("every", "first"):
+        x = torch.full((n,), float(rank + 1))
+        spccl_train.all_reduce(x, config=CollectiveConfig(check_calls=check, cost_model=given))
+        got[check] = last_stats().candidates["native/dense"]
+    want = {
+        "every": given.predict_native("all_reduce", n, torch.float32, topology, exchanges=1),
+        "first": given.predict_native("all_reduce", n, torch.float32, topology, exchanges=0),
+    }
+    measured = CollectiveConfig(check_calls="first")  # the measured model, with corrections
+    x = torch.full((n + 1,), float(rank + 1))  # a shape of its own: its first call exchanges
+    spccl_train.all_reduce(x, config=measured)
+    stats, pending = last_stats(), learned_corrections()._pending
+    model = measure_links(config=measured).model
+    observed = (
+        stats.algorithm,
+        pending.predicted_s == model.predict_native("all_reduce", n + 1, torch.float32, topology, exchanges=0),
+        pending.timer is not stats._timer,
+    )
+    return got, want, observed
+
+
+def test_native_is_priced_and_observed_as_a_held_call(pools):
+    for got, want, observed in pools(2).run(_job_native_priced_as_held):
+        assert got == pytest.approx(want, rel=1e-12) and want["every"] > want["first"]
+        assert observed == ("native", True, True)
 
 
 def _job_held_verdict(rank, world, seed):

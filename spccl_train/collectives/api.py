@@ -516,7 +516,7 @@ def _run(
             entry, int(bounds is None), collective, config, layout, inp.dtype, topology, r, model, factors, rounds,
             prefer, tried,
         )  # fmt: skip
-    if bounds is None and held.applies(config):  # (a dense config's calls go native before the holds matter)
+    if bounds is None and config.holds_native():  # (a dense config's calls go native before the holds matter)
         # a trial holds nothing: its runs come on the next exchanged calls, two per candidate
         state_of(transport).holds.decided(held.signature(request), choice.algorithm == "native" and not choice.trial)
     if choice.algorithm == "hierarchical":  # auto chose it: the steps exchange and plan on the node subgroups
@@ -526,7 +526,9 @@ def _run(
             chosen, how, received, functools.partial(learn, choice=choice),
         )  # fmt: skip
 
-    # 3. the executors
+    # 3. the executors (a native choice that calls of the shape hold is priced, so observed, as
+    # NCCL's call alone: what the held calls will take, :func:`.choice._price`)
+    alone = Span(inp.device) if choice.algorithm == "native" and bounds is None and config.holds_native() else None
     plan, extra = execute(
         Execution(
             collective, choice, config, transport, plan, bound_gather, layout, topology, x, out.view(-1), aliased,
@@ -539,7 +541,9 @@ def _run(
         else (dense_ring_bytes(collective, layout.numel, p, inp.element_size()),) * 2
     )
     event = timer.stop()
-    learn(timer, choice)
+    if alone is not None:
+        alone.stop()
+    learn(timer if alone is None else alone, choice)
 
     # 4. the stats
     stats = CollectiveStats(

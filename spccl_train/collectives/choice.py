@@ -158,6 +158,8 @@ class Weighing:
 
     candidates: tuple[_Weighed, ...]
     native_weighed: bool
+    native_held: bool = False
+    """Whether the native candidate is priced as a held call (no exchange: :func:`_price`)."""
 
     def pick(
         self,
@@ -169,7 +171,9 @@ class Weighing:
         tried: frozenset[str] | None = None,
     ) -> tuple[Candidate, dict[str, float]]:
         """The choice and every prediction by name (see :func:`weigh`): O(candidates)."""
-        return _pick(self.candidates, self.native_weighed, model, exchanges, factors, rounds, prefer, tried)
+        return _pick(
+            self.candidates, self.native_weighed, model, exchanges, factors, rounds, prefer, tried, self.native_held
+        )
 
 
 def price(
@@ -201,7 +205,7 @@ def price(
             extra = model.planning(summary.collective, layout.numel, dtype, summary.topology.world, 1)
             fmt = Format.PICI if config.format == "auto" else Format(config.format)
             candidates.append(("hierarchical", "hierarchical", fmt, predicted + extra, "", True))
-    return Weighing(tuple(candidates), native is not None)
+    return Weighing(tuple(candidates), native is not None, native is not None and config.holds_native())
 
 
 def weigh_batch(
@@ -223,7 +227,8 @@ def weigh_batch(
     out = []
     for i in range(batch):
         at = [(a, f, m, Prediction(float(p.seconds[i]), bool(p.sparse[i]))) for a, f, m, p in priced]
-        out.append(_pick(_candidates(native, at), native is not None, model, exchanges, None, rounds, None, None))
+        held = native is not None and config.holds_native()
+        out.append(_pick(_candidates(native, at), native is not None, model, exchanges, None, rounds, None, None, held))
     return out
 
 
@@ -231,12 +236,22 @@ def _price(
     summary: CountSummary, config: CollectiveConfig, dtype: torch.dtype, model: CostModel, exchanges: int, rings: bool
 ) -> tuple[float | None, list[tuple[str, Format, str, Prediction]]]:
     """The native call's prediction (``None``: not weighed), and every flat sparse variant's:
-    ``(algorithm, format, gather mode, prediction)``, formats in the config's order."""
+    ``(algorithm, format, gather mode, prediction)``, formats in the config's order.
+
+    Where calls of the config hold native (:meth:`~.config.CollectiveConfig.holds_native`), the
+    native call is priced with no exchange: a native choice is held, and the shape's next calls
+    run NCCL's call alone (up to 16 of 17: :class:`~.state.NativeHolds`), while a sparse choice
+    exchanges on every call. Priced with the exchange, as this call made it, a native call of
+    1 GiB bf16 at 90% on 2 H100s over NVLink was predicted (and, corrected, seen) at 4.4-4.6 ms
+    after a 1.4 ms count pass and exchange, and ``auto`` ran direct/Pici at 3.7 ms (1.13x) where
+    NCCL's call alone took 3.34 (bench/results/2026-11-27_twentysecond/)."""
     collective, layout, topology = summary.collective, summary.layout, summary.topology
     native_only = config.format == "dense" and config.algorithm == "auto"
     native = None
     if config.format == "auto" or native_only:
-        native = model.predict_native(collective, layout.numel, dtype, topology, exchanges)
+        native = model.predict_native(
+            collective, layout.numel, dtype, topology, 0 if config.holds_native() else exchanges
+        )
     if native_only:
         return native, []
     formats = [Format.PICI, Format.COO] if config.format == "auto" else [Format(config.format)]
@@ -283,13 +298,23 @@ def _pick(
     rounds: int,
     prefer: str | None,
     tried: frozenset[str] | None,
+    native_held: bool = False,
 ) -> tuple[Candidate, dict[str, float]]:
-    """The cheapest candidate after the extra exchange rounds and the learned corrections, with the
-    native margin, the sticky preference and trials; and every prediction by name."""
+    """The cheapest candidate after the extra exchange rounds (``native_held``: none for the native
+    call) and the learned corrections, with the native margin, the sticky preference and trials;
+    and every prediction by name."""
     extra = (rounds - 1) * model.exchange_s if rounds > 1 and exchanges else 0.0  # rounds beyond the one counted
     if extra or factors:
+        native_extra = 0.0 if native_held else extra  # a held native call makes no exchange
         candidates = [
-            (name, a, f, (seconds + extra) * (factor_of(factors, name) if factors else 1.0), mode, sparse)
+            (
+                name,
+                a,
+                f,
+                (seconds + (native_extra if a == "native" else extra)) * factor_of(factors, name),
+                mode,
+                sparse,
+            )
             for name, a, f, seconds, mode, sparse in candidates
         ]
     best = candidates[0]

@@ -114,6 +114,12 @@ class CollectiveConfig:
     measuring existed). A :class:`CostModel`: your own figures, used as given (this is how to
     override a measurement)."""
 
+    def holds_native(self) -> bool:
+        """Whether calls of this config may run native without an exchange (``check_calls="first"``,
+        and ``auto`` may choose native: ``format`` auto or dense, ``algorithm`` auto), so that
+        ``auto`` prices the native candidate at what such a call takes (:mod:`.held`)."""
+        return self.check_calls == "first" and self.algorithm == "auto" and self.format in ("auto", "dense")
+
     def __post_init__(self) -> None:
         if isinstance(self.thresholds, Mapping):
             unknown = set(self.thresholds) - {"intra", "inter", "ag"}

@@ -25,14 +25,13 @@ from .context import corrections_of, model_of
 from .cost import CostModel
 from .exchange import Request, exchange_rounds, protocol
 from .executors import native_collective
-from .feedback import Corrections, factor_of, kind_of
+from .feedback import NATIVE, Corrections, factor_of, kind_of
 from .state import GroupState, state_of
 from .stats import CollectiveStats, dense_ring_bytes
 from .topology import Topology
 
 __all__ = [
     "Route",
-    "applies",
     "goes_native_unexchanged",
     "held_now",
     "lookup",
@@ -43,12 +42,6 @@ __all__ = [
     "run",
     "signature",
 ]
-
-
-def applies(config: CollectiveConfig) -> bool:
-    """Whether calls of ``config`` may run native without an exchange: ``check_calls="first"``, and
-    ``auto`` may choose native (``format`` auto or dense, ``algorithm`` auto)."""
-    return config.check_calls == "first" and config.algorithm == "auto" and config.format in ("auto", "dense")
 
 
 def signature(request: Request) -> tuple[int, ...]:
@@ -72,11 +65,11 @@ def goes_native_unexchanged(
     transport: P2PTransport,
     rpn: int | None,
 ) -> bool:
-    """Whether this call runs the native collective without a count exchange: :func:`applies`, an
+    """Whether this call runs the native collective without a count exchange: :meth:`.config.CollectiveConfig.holds_native`, an
     exchange already checked this call's shape on every rank of the group, and :func:`held_now`.
     Every input is equal on every rank (the shape, the config, the model, its corrections and the
     holds), so every rank decides alike, as long as their calls have the same shape."""
-    if not applies(config) or layout is None or request.problems:
+    if not config.holds_native() or layout is None or request.problems:
         return False
     topology = Topology(transport.world, rpn)
     corrections = corrections_of(config, transport)
@@ -133,10 +126,11 @@ def no_sparse_wins(
     rounds: int,
 ) -> bool:
     """Whether no sparse candidate can win a call whatever its data: even the candidates' lower
-    bound (:meth:`.cost.CostModel.least_sparse`, what any data would cost them at least),
-    corrected by what the group learned (``corrections``: :func:`.context.corrections_of`),
-    misses native's prediction by :data:`NATIVE_MARGIN`. ``rounds``: the exchange's host
-    synchronisations, which every candidate would pay."""
+    bound (:meth:`.cost.CostModel.least_sparse`, what any data would cost them at least, with
+    the exchange's ``rounds`` of host synchronisations), corrected by what the group learned
+    (``corrections``: :func:`.context.corrections_of`), misses the prediction of a native call
+    with no exchange (as :func:`.choice.weigh` prices it where calls hold native) by
+    :data:`NATIVE_MARGIN`."""
     nbytes = numel * element_size(dtype)
     factors = corrections.factors_for(collective, nbytes, dtype) if corrections is not None else None
     sparse_factor = min(
@@ -145,8 +139,7 @@ def no_sparse_wins(
     local = corrections.least_local(collective, nbytes, dtype) if corrections is not None else None
     if local is not None:  # what a sparse candidate took at some density octave (no octave is weighed here)
         sparse_factor = min(sparse_factor, local)
-    extra = (rounds - 1) * model.exchange_s  # what an exchange's further rounds would add to every candidate
-    native = (model.predict_native(collective, numel, dtype, topology) + extra) * factor_of(factors, "native/dense")
+    native = model.predict_native(collective, numel, dtype, topology, exchanges=0) * factor_of(factors, NATIVE)
     least = model.least_sparse(collective, numel, dtype, topology, rounds) * sparse_factor
     return least >= native * (1 - NATIVE_MARGIN)
 
@@ -194,7 +187,7 @@ class Route:
         self.fingerprint = fingerprint
         self.predicted_s = model.predict_native(collective, layout.numel, dtype, topology, exchanges=0)
         """The native call's prediction, without an exchange or corrections."""
-        self.kind = kind_of(collective, "native/dense", layout.numel * element_size(dtype), dtype)
+        self.kind = kind_of(collective, NATIVE, layout.numel * element_size(dtype), dtype)
         """The native call's kind of correction (:func:`.feedback.kind_of`)."""
         self.dense = dense_ring_bytes(collective, layout.numel, topology.world, element_size(dtype))
         """The bytes a dense ring sends (the stats' ``bytes_sent`` and ``dense_bytes``)."""
@@ -265,7 +258,7 @@ def lookup(
 ) -> Route | None:
     """The route of this call's shape, if a call of it went native unexchanged on the full path
     (``None``: take the full path). The caller checks the tensors before :func:`run`."""
-    if not applies(config):
+    if not config.holds_native():
         return None
     return state_of(transport).routes.get(route_key(collective, config, inp, out))
 

@@ -31,7 +31,9 @@ class CollectiveStats:
     """The plan that ran (``None`` for native and local calls)."""
     predicted_s: float
     """The cost model's prediction for the chosen candidate, exchanges included (made for the
-    call's sparsity profile as :func:`~.choice.decide` rounds it)."""
+    call's sparsity profile as :func:`~.choice.decide` rounds it); for the native call of a
+    config that holds native calls (:meth:`~.config.CollectiveConfig.holds_native`), NCCL's call
+    alone, as the shape's held calls take it."""
     candidates: dict[str, float]
     """Every candidate the cost model weighed (``"ring/pici"``, ``"native/dense"``, ...) and its prediction."""
     exchanges: int
