@@ -80,7 +80,9 @@ Add ``--patterns all`` for the structured patterns, ``--channels 1,2,4`` and
 CUDA graphs (``CollectiveConfig.cuda_graphs``: one count exchange per call, then a replay),
 ``--check-calls first`` to run them with ``CollectiveConfig.check_calls="first"`` (``auto`` holds
 a shape whose last exchanged call went native, or that no sparse candidate could win, with no
-exchange). Here, to check the script (CPU, gloo, tiny sizes)::
+exchange; the points of one size share a shape, so each ``auto`` point starts with the holds
+released, ``collectives.release_holds``, as where a job's sparsity changes: its first call sees
+its data, where a hold left by the sparsity before would see it up to 16 calls later). Here, to check the script (CPU, gloo, tiny sizes)::
 
     torchrun --standalone --nproc-per-node=2 bench/bench_collectives.py --smoke --out-dir /tmp/x
 
@@ -138,6 +140,7 @@ from spccl_train.collectives import (
     clearing_graphs,
     last_stats,
     learned_corrections,
+    release_holds,
 )
 from spccl_train.collectives.links import measured_model
 from spccl_train.emulation import emulate_nodes as emulate_nodes_env
@@ -1015,6 +1018,8 @@ def _ready(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _Poi
     row = point.row
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
+    if method.config is not None and method.config.holds_native():
+        release_holds()  # a new sparsity of the shape (every rank, at the same call)
     try:
         first, stats, naive_sent, _ = _timed_call(method, case, env, "verify", poison=True)
         point.ok = _matches(case) and _clean(stats)

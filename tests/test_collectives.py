@@ -49,6 +49,7 @@ from spccl_train.collectives import (
     last_stats,
     learned_corrections,
     measure_links,
+    release_holds,
     reuse,
 )
 from spccl_train.collectives.choice import NATIVE_MARGIN
@@ -584,6 +585,28 @@ def test_a_native_shape_is_held_without_exchanges(pools):
     # the model's verdict (could any sparse candidate win?) is weighed when a hold runs out, not on
     # the calls of a shape whose last exchanged call went sparse: the exchange weighs those
     assert weighed == [False, False, True, False, False, True, False, False, False, False, True, False, False, False]
+
+
+def _job_release_holds(rank, world):
+    """``release_holds`` ends a hold: the shape's next call is exchanged again."""
+    slow = LinkCost(latency_s=1e-5, bandwidth=2.5e7)  # links where sparse data would go sparse
+    model = dataclasses.replace(CostModel.default("cpu"), intra=slow, inter=slow)
+    cfg = CollectiveConfig(check_calls="first", cost_model=model)
+    n, exchanged = 1 << 16, []
+    for call in range(6):
+        if call == 4:  # call 4 would be held (the hold of 2 that call 2 began)
+            release_holds()
+        x = torch.full((n,), float(rank + 1))  # dense: native is chosen, and held
+        spccl_train.all_reduce(x, config=cfg)
+        assert torch.equal(x, torch.full((n,), float(world * (world + 1) // 2)))
+        exchanged.append(last_stats().exchanges)
+    return exchanged
+
+
+def test_release_holds(pools):
+    got = pools(2).run(_job_release_holds)
+    # exchanged, held 1; exchanged, held 2 (call 3, then released); exchanged, held 1 again
+    assert got[0] == got[1] == [1, 0, 1, 0, 1, 0], got
 
 
 def _job_native_priced_as_held(rank, world):

@@ -23,7 +23,7 @@ from .api import (
 from .choice import Candidate, choose
 from .chunking import ChunkLayout, Span
 from .config import CollectiveConfig
-from .context import learned_corrections, measure_links
+from .context import learned_corrections, measure_links, release_holds
 from .cost import CodecCost, CostModel, LinkCost
 from .encoded import EncodedPieces
 from .graphs import cached_graphs, clear_graphs, clearing_graphs
@@ -47,6 +47,7 @@ __all__ = [
     "last_stats",
     "measure_links",
     "learned_corrections",
+    "release_holds",
     "clear_graphs",
     "clearing_graphs",
     "cached_graphs",

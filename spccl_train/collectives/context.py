@@ -113,6 +113,16 @@ def learned_corrections(group: dist.ProcessGroup | None = None) -> Corrections:
     return corrections_of(CollectiveConfig(cost_model="measured"), transport_of(group)) or Corrections()
 
 
+def release_holds(group: dist.ProcessGroup | None = None) -> None:
+    """End every native hold of ``group`` (``check_calls="first"``): the next call of each shape
+    held native exchanges its counts again, so it sees its data. A hold otherwise lasts up to 16
+    calls of its shape (:class:`~.state.NativeHolds`), and sees no data meanwhile. Call it where
+    the data's sparsity is known to change (pruning that begins after dense steps), on every
+    rank of the group between the same two calls: ranks that disagree on a hold hang, one rank
+    in the native collective and another in the exchange."""
+    state_of(transport_of(group)).holds.release()
+
+
 def measure_links(
     group: dist.ProcessGroup | None = None,
     config: CollectiveConfig | None = None,

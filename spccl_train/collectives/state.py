@@ -122,6 +122,10 @@ class NativeHolds:
         span = 1 if previous is None else min(2 * previous[1], self.MAX_HOLD)
         self._holds[signature] = [span, span]
 
+    def release(self) -> None:
+        """End every hold: the next call of each held shape is exchanged (``context.release_holds``)."""
+        self._holds.clear()
+
     def went_sparse(self, signature: Hashable) -> bool:
         """Whether the last exchanged call of ``signature`` chose a sparse candidate (or ran a trial)."""
         return signature in self._sparse
