@@ -609,6 +609,30 @@ def test_release_holds(pools):
     assert got[0] == got[1] == [1, 0, 1, 0, 1, 0], got
 
 
+def _job_short_path_config_errors(rank, world):
+    """A config changed after its shape took the short path is validated as any other: a field
+    that cannot be hashed and a bad value both raise the full path's error naming the field."""
+    cfg = CollectiveConfig(check_calls="first", cost_model=CostModel.default("cpu"))
+    x = torch.ones(3000)
+    for _ in range(3):  # exchanged, then native unexchanged (the full path leaves its route), then the short path
+        spccl_train.all_reduce(x, config=cfg)
+    short = last_stats().exchanges == 0
+    errors = []
+    for field, value in (("thresholds", {"intra": 0.5}), ("channels", 0)):
+        bad = dataclasses.replace(cfg)
+        setattr(bad, field, value)
+        try:
+            spccl_train.all_reduce(x, config=bad)
+        except ValueError as exc:
+            errors.append(str(exc).split(" ")[0])
+    return short, errors
+
+
+def test_the_short_path_leaves_bad_configs_to_the_full_path(pools):
+    for short, errors in pools(2).run(_job_short_path_config_errors):
+        assert short and errors == ["thresholds={'intra':", "channels=0"], errors
+
+
 def _job_native_priced_as_held(rank, world):
     """Where calls hold native, ``auto`` prices the native call with no exchange (what the held
     calls take) and observes an exchanged native choice from NCCL's call alone, as a held call is

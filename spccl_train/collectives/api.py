@@ -256,6 +256,27 @@ def _call(
         config = CollectiveConfig()
     elif not isinstance(config, CollectiveConfig):
         raise TypeError(f"config must be a CollectiveConfig or None, got {type(config).__name__}")
+    if planning_stream is not None and not isinstance(planning_stream, torch.cuda.Stream):
+        raise TypeError(f"planning_stream must be a torch.cuda.Stream or None, got {type(planning_stream).__name__}")
+    if planning_stream is not None and not input.is_cuda:
+        planning_stream = None  # CPU work is ordered by the host
+    # A call of a shape that went native unexchanged before: the short path, ahead of all else (on
+    # NVLink the host's time up to NCCL's launch is the whole of what it adds to NCCL's call).
+    # The route's key holds every field of the config an earlier call of it validated.
+    route = (
+        held.lookup(collective, group, config, input, output)
+        if bounds is None and encoded is None and planning_group is None
+        else None
+    )  # fmt: skip
+    if route is not None and _fits(collective, input, output, route.state.transport):
+        if input.requires_grad or output.requires_grad:  # it writes its output, as the full path does
+            with torch.no_grad():
+                ran = held.run(route, input, output, planning_stream)
+        else:  # (entering no_grad costs a few microseconds, all of them before NCCL's launch)
+            ran = held.run(route, input, output, planning_stream)
+        if ran is not None:
+            _local.stats = ran[0]
+            return CollectiveWork([output], *ran) if async_op else None
     config.validate()
     transport = transport_of(group)
     planner = transport if planning_group is None else transport_of(planning_group)
@@ -264,29 +285,9 @@ def _call(
             f"planning_group has {planner.world} ranks with this one as rank {planner.rank}, but group has "
             f"{transport.world} with it as rank {transport.rank}; pass a group of the same ranks in the same order"
         )
-    if planning_stream is not None and not isinstance(planning_stream, torch.cuda.Stream):
-        raise TypeError(f"planning_stream must be a torch.cuda.Stream or None, got {type(planning_stream).__name__}")
-    if planning_stream is not None and not input.is_cuda:
-        planning_stream = None  # CPU work is ordered by the host
     if config.algorithm == "hierarchical":
         hierarchical.check_request(transport, config, bounds)
     graphed = _graphable(config, input, output, transport)
-    # A call of a shape that went native unexchanged before: the short path, ahead of all else (on
-    # NVLink the host's time up to NCCL's launch is the whole of what it adds to NCCL's call).
-    route = (
-        held.lookup(collective, transport, config, input, output)
-        if bounds is None and encoded is None and planner is transport and not graphed
-        else None
-    )  # fmt: skip
-    if route is not None and _fits(collective, input, output, transport):
-        if input.requires_grad or output.requires_grad:  # it writes its output, as the full path does
-            with torch.no_grad():
-                ran = held.run(transport, route, input, output, planning_stream)
-        else:  # (entering no_grad costs a few microseconds, all of them before NCCL's launch)
-            ran = held.run(transport, route, input, output, planning_stream)
-        if ran is not None:
-            _local.stats = ran[0]
-            return CollectiveWork([output], *ran) if async_op else None
     with torch.no_grad():
         # ``misfit``: reported by the exchange, so that every rank raises; ``decoded``: the statuses
         # of decoding ``encoded`` into the input up front, for a call that will not send it

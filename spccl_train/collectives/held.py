@@ -13,6 +13,7 @@ inputs equal on every rank.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .._timing import Span
 from ..formats import Format
@@ -26,7 +27,7 @@ from .cost import CostModel
 from .exchange import Request, exchange_rounds, protocol
 from .executors import native_collective
 from .feedback import NATIVE, Corrections, factor_of, kind_of
-from .state import GroupState, state_of
+from .state import GroupState, group_state, state_of
 from .stats import CollectiveStats, dense_ring_bytes
 from .topology import Topology
 
@@ -254,17 +255,23 @@ def route_of(
 
 
 def lookup(
-    collective: str, transport: P2PTransport, config: CollectiveConfig, inp: torch.Tensor, out: torch.Tensor
+    collective: str, group: dist.ProcessGroup | None, config: CollectiveConfig, inp: torch.Tensor, out: torch.Tensor
 ) -> Route | None:
     """The route of this call's shape, if a call of it went native unexchanged on the full path
-    (``None``: take the full path). The caller checks the tensors before :func:`run`."""
-    if not config.holds_native():
+    (``None``: take the full path, which validates the config and the group: a route's key holds
+    every field of a config an earlier call validated, so a config that finds one is valid, and one
+    whose fields cannot be hashed finds none). The caller checks the tensors before :func:`run`."""
+    if not config.holds_native() or config.cuda_graphs:  # (a graphed call replays, or exchanges)
         return None
-    return state_of(transport).routes.get(route_key(collective, config, inp, out))
+    if group is not None and not dist.is_initialized():  # a group kept past its destruction
+        return None
+    try:
+        return group_state(group).routes.get(route_key(collective, config, inp, out))
+    except TypeError:  # a field that cannot be hashed
+        return None
 
 
 def run(
-    transport: P2PTransport,
     route: Route,
     inp: torch.Tensor,
     out: torch.Tensor,
@@ -272,17 +279,16 @@ def run(
 ) -> tuple[CollectiveStats, torch.cuda.Event | None] | None:
     """The short path of a call of ``route``'s shape, its tensors checked: decided as
     :func:`goes_native_unexchanged` decides (:meth:`Route.held_now`), then :func:`native_call`
-    (``None``: the call exchanges, on the full path). It skips the request, the layout, the
-    model, corrections and topology look-ups, the native prediction and, while the group's
-    corrections stand, the model's verdict."""
+    (``None``: the call exchanges, on the full path). It skips the config's validation, the
+    request, the layout, the model, corrections and topology look-ups, the native prediction
+    and, while the group's corrections stand, the model's verdict."""
     if not route.held_now():
         return None
     if planning_stream is not None:  # the input is ready on the planning stream
         torch.cuda.current_stream(inp.device).wait_stream(planning_stream)
     x, y = (inp, inp) if out is inp else (inp.view(-1), out.view(-1))  # an all-reduce is taken as it is
-    return native_call(
-        route.collective, transport, route, x, y, route.corrections, None if x.is_cuda else Span(x.device)
-    )
+    timer = None if x.is_cuda else Span(x.device)
+    return native_call(route.collective, route.state.transport, route, x, y, route.corrections, timer)
 
 
 def native_call(
