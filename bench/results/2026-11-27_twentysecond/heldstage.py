@@ -101,7 +101,12 @@ def loop(fn, k=int(os.environ.get("HS_LOOPS", 20000))):
 
 
 transport = context.transport_of(None)
-route = held.lookup("all_reduce", transport, cfg, work, work)
+try:  # from f4c1b86 the short path looks its route up by group, before the config's validation
+    route = held.lookup("all_reduce", None, cfg, work, work)
+    lookup_args = (None,)
+except AttributeError:  # before: by transport
+    route = held.lookup("all_reduce", transport, cfg, work, work)
+    lookup_args = (transport,)
 corr = context.corrections_of(cfg, transport)
 if hasattr(held.Route, "held_now"):  # from 2026-11-27, twenty-second sitting
     route_held_now = route.held_now
@@ -113,7 +118,7 @@ steps = {
     "config.validate": cfg.validate,
     "transport_of": lambda: context.transport_of(None),
     "_graphable": lambda: api._graphable(cfg, work, work, transport),
-    "held.lookup": lambda: held.lookup("all_reduce", transport, cfg, work, work),
+    "held.lookup": lambda: held.lookup("all_reduce", *lookup_args, cfg, work, work),
     "  config.key": cfg.key,
     "  ranks_per_node": lambda: context.ranks_per_node(cfg, transport),
     "  state_of": lambda: held.state_of(transport),
