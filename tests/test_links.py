@@ -113,7 +113,9 @@ def test_auto_uses_one_measured_model_per_group(pools, tmp_path):
     assert all(g == got[0] for g in got), "ranks weighed the candidates differently"
     probes, candidates, chose_cheapest = got[0]
     assert probes == 2 and chose_cheapest and len(candidates) > 1
-    assert len(list((tmp_path / "codecs").glob(f"cpu-reference-{spccl_train.__version__}.json"))) == 1
+    assert (
+        len(list((tmp_path / "codecs").glob(f"cpu-reference-{spccl_train.__version__}-{links.CALIBRATION}.json"))) == 1
+    )
 
 
 def test_codec_calibration_is_cached_per_device_and_version(tmp_path, monkeypatch):
@@ -122,13 +124,24 @@ def test_codec_calibration_is_cached_per_device_and_version(tmp_path, monkeypatc
     for cost in first.values():
         assert cost.compress > 0 and cost.decompress > 0 and cost.accumulate > 0 and cost.call_s > 0
     (path,) = (tmp_path / "codecs").iterdir()
-    assert path.name == f"cpu-reference-{spccl_train.__version__}.json"
+    assert path.name == f"cpu-reference-{spccl_train.__version__}-{links.CALIBRATION}.json"
     saved = json.loads(path.read_text())
     saved["pici"]["compress"] = 123.0  # the cache, not a new measurement, answers next time
     path.write_text(json.dumps(saved))
     assert links.codec_costs(torch.device("cpu"))["pici"].compress == 123.0
     path.write_text("not json")
     assert links.codec_costs(torch.device("cpu"))["pici"].compress != 123.0  # unreadable: measured again
+
+
+def test_codec_throughput_leaves_the_host_cost_of_a_call_out():
+    # 40 us of launch and sync per call, 1 ms per 2.5 GB: the two sizes' extra bytes over their
+    # extra time, not either size's bytes over its whole time
+    small, large = 2.5e8, 2.0e9
+    t = [40e-6 + b / 2.5e12 for b in (small, large)]
+    assert links._throughput(int(large - small), t[1] - t[0], int(large), t[1]) == pytest.approx(2.5e12)
+    assert large / t[1] < 0.99 * 2.5e12
+    # a stall on the smaller size (the larger no longer than it): the larger size's own rate
+    assert links._throughput(int(large - small), 1e-6, int(large), 1e-3) == pytest.approx(2.0e12)
 
 
 def _job_ranks_per_node_from_env(rank, world):

@@ -262,15 +262,26 @@ def _cache_file(device: torch.device) -> pathlib.Path:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu-reference"
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     root = pathlib.Path(os.environ.get("SPCCL_CACHE_DIR", pathlib.Path.home() / ".cache" / "spccl_train"))
-    return root / "codecs" / f"{safe}-{__version__}.json"
+    return root / "codecs" / f"{safe}-{__version__}-{CALIBRATION}.json"
+
+
+CALIBRATION = "slope"
+"""Names how :func:`codec_costs` measures, in its cache file's name: a calibration cached by an
+earlier method is measured again."""
 
 
 def codec_costs(device: torch.device, *, use_cache: bool = True) -> dict[str, CodecCost]:
     """Pici and COO codec throughputs on ``device``, measured once and cached on disk.
 
-    Measured on random 99%-sparse fp32 data (16 Mi elements on CUDA, 256 Ki on the CPU's reference
-    codec), each operation the median of three after a warm-up; ``call_s`` is one call on a
-    single tile. This rank's own figures: :func:`measured_model` makes them equal across ranks.
+    Measured on random 99%-sparse fp32 data, each operation at two sizes (4 Mi and 32 Mi
+    elements on CUDA, 128 Ki and 1 Mi on the CPU's reference codec), each the median of five
+    calls after a warm-up, timed on the host up to a device sync: the throughput is the extra
+    bytes over the extra time, so that the host's cost of a call (its launch and sync, tens of
+    microseconds on CUDA) is not read as bytes; ``call_s`` is one call on a single tile, that cost.
+    One size, 16 Mi elements timed the same way, read 720-790 GB/s for Pici on an H100, where
+    the codecs run at about 0.9 of copy speed on 1 GiB (``bench/bench_codecs.py``): the model
+    priced a 1 GiB direct/Pici all-reduce at 95% over NVLink at 4.9 ms where it took 3.1, 1.6x,
+    and ``auto`` never tried it (bench/results/2026-11-27_twentysecond/). This rank's own figures: :func:`measured_model` makes them equal across ranks.
     """
     path = _cache_file(device)
     if use_cache and path.is_file():
@@ -279,29 +290,35 @@ def codec_costs(device: torch.device, *, use_cache: bool = True) -> dict[str, Co
             return {fmt: CodecCost(**saved[fmt]) for fmt in ("pici", "coo")}
         except (ValueError, KeyError, TypeError):
             _log.warning("spccl_train: ignoring unreadable codec calibration %s", path)
-    n = (16 << 20) if device.type == "cuda" else (1 << 18)
+    large = (32 << 20) if device.type == "cuda" else (1 << 20)
+    sizes = (large // 8, large)
     gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(n, device=device, generator=gen)
-    x *= torch.rand(n, device=device, generator=gen) < 0.01
-    dense_bytes = n * x.element_size()
+    x = torch.randn(large, device=device, generator=gen)
+    x *= torch.rand(large, device=device, generator=gen) < 0.01
     found = {}
     for fmt in (Format.PICI, Format.COO):
-        payload = torch.empty(capacity_bytes(fmt, n, x.dtype), dtype=torch.uint8, device=device)
+        payload = torch.empty(capacity_bytes(fmt, large, x.dtype), dtype=torch.uint8, device=device)
         into = torch.empty_like(x)
+        seconds: dict[str, list[float]] = {"compress": [], "decompress": [], "accumulate": []}
+        for n in sizes:
+            part, out = x[:n], into[:n]
+            nnz = compress_into(fmt, part, payload) if fmt is Format.COO else None  # COO payloads do not carry it
+            seconds["compress"].append(_device_seconds(lambda: compress_into(fmt, part, payload), device))
+            seconds["decompress"].append(
+                _device_seconds(lambda: decompress_into(fmt, payload, out, nnz=nnz, check=False), device)
+            )
+            seconds["accumulate"].append(
+                _device_seconds(
+                    lambda: decompress_into(fmt, payload, out, nnz=nnz, accumulate=True, check=False), device
+                )
+            )
         tiny, tiny_out = x[:4096], torch.empty(capacity_bytes(fmt, 4096, x.dtype), dtype=torch.uint8, device=device)
-        nnz = compress_into(fmt, x, payload) if fmt is Format.COO else None  # COO payloads do not carry it
-        ops = {
-            "compress": lambda: compress_into(fmt, x, payload),
-            "decompress": lambda: decompress_into(fmt, payload, into, nnz=nnz, check=False),
-            "accumulate": lambda: decompress_into(fmt, payload, into, nnz=nnz, accumulate=True, check=False),
-            "call_s": lambda: compress_into(fmt, tiny, tiny_out),
+        extra_bytes = (sizes[1] - sizes[0]) * x.element_size()
+        rates = {
+            name: _throughput(extra_bytes, t[1] - t[0], large * x.element_size(), t[1]) for name, t in seconds.items()
         }
-        seconds = {name: _device_seconds(op, device) for name, op in ops.items()}
         found[fmt.value] = CodecCost(
-            compress=dense_bytes / seconds["compress"],
-            decompress=dense_bytes / seconds["decompress"],
-            accumulate=dense_bytes / seconds["accumulate"],
-            call_s=seconds["call_s"],
+            **rates, call_s=_device_seconds(lambda: compress_into(fmt, tiny, tiny_out), device)
         )
     if use_cache:
         try:
@@ -312,10 +329,18 @@ def codec_costs(device: torch.device, *, use_cache: bool = True) -> dict[str, Co
     return found
 
 
+def _throughput(extra_bytes: int, extra_s: float, whole_bytes: int, whole_s: float) -> float:
+    """Bytes per second from the extra time of the larger size; where noise made it no longer
+    than the smaller size's (a host that stalled on the smaller), the larger size's own rate."""
+    if extra_s > 0.05 * whole_s:
+        return extra_bytes / extra_s
+    return whole_bytes / whole_s
+
+
 def _device_seconds(fn, device: torch.device) -> float:
     fn()
     times = []
-    for _ in range(3):
+    for _ in range(5):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
