@@ -278,10 +278,13 @@ def codec_costs(device: torch.device, *, use_cache: bool = True) -> dict[str, Co
     calls after a warm-up, timed on the host up to a device sync: the throughput is the extra
     bytes over the extra time, so that the host's cost of a call (its launch and sync, tens of
     microseconds on CUDA) is not read as bytes; ``call_s`` is one call on a single tile, that cost.
-    One size, 16 Mi elements timed the same way, read 720-790 GB/s for Pici on an H100, where
+    One size, 16 Mi elements timed the same way, read 710-791 GB/s for Pici on an H100, where
     the codecs run at about 0.9 of copy speed on 1 GiB (``bench/bench_codecs.py``): the model
     priced a 1 GiB direct/Pici all-reduce at 95% over NVLink at 4.9 ms where it took 3.1, 1.6x,
-    and ``auto`` never tried it (bench/results/2026-11-27_twentysecond/). This rank's own figures: :func:`measured_model` makes them equal across ranks.
+    and ``auto`` never tried it (bench/results/2026-11-27_twentysecond/). On CUDA the calibration
+    holds about 512 MiB while it runs (the input, the output and a COO payload's worst case), once
+    per device and library version. This rank's own figures: :func:`measured_model` makes them
+    equal across ranks.
     """
     path = _cache_file(device)
     if use_cache and path.is_file():
