@@ -66,10 +66,11 @@ def goes_native_unexchanged(
     transport: P2PTransport,
     rpn: int | None,
 ) -> bool:
-    """Whether this call runs the native collective without a count exchange: :meth:`.config.CollectiveConfig.holds_native`, an
-    exchange already checked this call's shape on every rank of the group, and :func:`held_now`.
-    Every input is equal on every rank (the shape, the config, the model, its corrections and the
-    holds), so every rank decides alike, as long as their calls have the same shape."""
+    """Whether this call runs the native collective without a count exchange: the config holds
+    native calls (:meth:`.config.CollectiveConfig.holds_native`), an exchange already checked
+    this call's shape on every rank of the group, and :func:`held_now`. Every input is equal on
+    every rank (the shape, the config, the model, its corrections and the holds), so every rank
+    decides alike, as long as their calls have the same shape."""
     if not config.holds_native() or layout is None or request.problems:
         return False
     topology = Topology(transport.world, rpn)
