@@ -80,9 +80,10 @@ Add ``--patterns all`` for the structured patterns, ``--channels 1,2,4`` and
 CUDA graphs (``CollectiveConfig.cuda_graphs``: one count exchange per call, then a replay),
 ``--check-calls first`` to run them with ``CollectiveConfig.check_calls="first"`` (``auto`` holds
 a shape whose last exchanged call went native, or that no sparse candidate could win, with no
-exchange; the points of one size share a shape, so each ``auto`` point starts with the holds
-released, ``collectives.release_holds``, as where a job's sparsity changes: its first call sees
-its data, where a hold left by the sparsity before would see it up to 16 calls later). Here, to check the script (CPU, gloo, tiny sizes)::
+exchange; the points of one size share a shape, so each case starts with the holds released,
+``collectives.release_holds``, as where a job's sparsity changes: its first call sees its data,
+where a hold left by the sparsity before would see it up to 16 calls later). Here, to check the
+script (CPU, gloo, tiny sizes)::
 
     torchrun --standalone --nproc-per-node=2 bench/bench_collectives.py --smoke --out-dir /tmp/x
 
@@ -1018,8 +1019,6 @@ def _ready(method: _Method, case: _Case, env: _Env, settings: _Settings) -> _Poi
     row = point.row
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
-    if method.config is not None and method.config.holds_native():
-        release_holds()  # a new sparsity of the shape (every rank, at the same call)
     try:
         first, stats, naive_sent, _ = _timed_call(method, case, env, "verify", poison=True)
         point.ok = _matches(case) and _clean(stats)
@@ -1176,6 +1175,8 @@ def _close(point: _Point, case: _Case, env: _Env, settings: _Settings) -> _Row:
 
 def _run_case(case: _Case, methods: list[_Method], env: _Env, settings: _Settings, on_row: Callable[[_Row], None]):
     """Every method of one case: each verified, warmed up and settled in turn, then all timed in turns."""
+    if any(m.config is not None and m.config.holds_native() for m in methods):
+        release_holds()  # a new sparsity of the shapes auto holds (every rank, between the same calls)
     points = [_ready(method, case, env, settings) for method in methods]
     _time_in_turn(points, case, env)
     rows = [_close(point, case, env, settings) for point in points]

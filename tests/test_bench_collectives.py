@@ -281,33 +281,24 @@ def one_rank(bench, monkeypatch):
     return run, calls, fail
 
 
-def test_auto_points_start_with_their_holds_released(one_rank, bench, monkeypatch):
-    """Under ``--check-calls first`` each point of auto/auto starts with the holds released (the
-    points of one size share a shape), and no other method's point releases them."""
+def test_a_case_starts_with_the_holds_released(one_rank, bench, monkeypatch):
+    """Under ``--check-calls first`` each case starts with the holds released (the points of one
+    size share a shape), once, before its methods are readied; checking every call, never."""
+    run, calls, _ = one_rank
     released = []
-    monkeypatch.setattr(bench, "release_holds", lambda: released.append(True))
+    monkeypatch.setattr(bench, "release_holds", lambda: released.append(len(calls)))
     env = bench._Env(rank=0, world=2, device=torch.device("cpu"), backend="gloo", fixed_group=None)
     case = bench._Case(
         collective="all_reduce", dtype_name="fp32", dtype=torch.float32, pattern="iid", sparsity=99.0,
         size_bytes=64, x0=torch.zeros(16), fingerprint=0, ref=torch.zeros(16), tol=None, work=torch.zeros(16),
     )  # fmt: skip
-    for check, want in (("first", [True]), ("every", [])):
+    for check, want in (("first", [0]), ("every", [])):
         released.clear()
-        args = [
-            "--smoke",
-            "--iters",
-            "1",
-            "--warmup",
-            "0",
-            "--check-calls",
-            check,
-            "--methods",
-            "nccl,auto/auto,pici/ring",
-        ]
-        settings = bench._settings(args)
-        for method in bench._methods(settings):
-            bench._ready(method, case, env, settings)
-        assert released == want, check
+        calls.clear()
+        args = ["--smoke", "--iters", "1", "--warmup", "0", "--check-calls", check]
+        settings = bench._settings([*args, "--methods", "nccl,auto/auto,pici/ring,auto/auto"])
+        bench._run_case(case, bench._methods(settings), env, settings, lambda row: None)
+        assert released == want and calls, (check, released, calls)
 
 
 def test_methods_are_timed_in_turns(one_rank):

@@ -46,6 +46,7 @@ from spccl_train.collectives import (
     Phase,
     Thresholds,
     api,
+    held,
     last_stats,
     learned_corrections,
     measure_links,
@@ -614,11 +615,19 @@ def _job_short_path_config_errors(rank, world):
     that cannot be hashed and a bad value both raise the full path's error naming the field."""
     cfg = CollectiveConfig(check_calls="first", cost_model=CostModel.default("cpu"))
     x = torch.ones(3000)
-    for _ in range(3):  # exchanged, then native unexchanged (the full path leaves its route), then the short path
-        spccl_train.all_reduce(x, config=cfg)
-    short = last_stats().exchanges == 0
+    ran = []
+    run = held.run
+    held.run = lambda *a, **k: ran.append(1) or run(*a, **k)
+    try:
+        for _ in range(3):  # exchanged, then native unexchanged (the full path leaves its route), then the short path
+            spccl_train.all_reduce(x, config=cfg)
+    finally:
+        held.run = run
+    short = ran == [1] and last_stats().exchanges == 0
     errors = []
-    for field, value in (("thresholds", {"intra": 0.5}), ("channels", 0)):
+    # values equal to the route's, of the wrong type, too: 1.0 == 1 and 0 == False hash alike
+    bad_values = (("thresholds", {"intra": 0.5}), ("channels", 0), ("channels", 1.0), ("cuda_graphs", 0))
+    for field, value in bad_values:
         bad = dataclasses.replace(cfg)
         setattr(bad, field, value)
         try:
@@ -630,7 +639,7 @@ def _job_short_path_config_errors(rank, world):
 
 def test_the_short_path_leaves_bad_configs_to_the_full_path(pools):
     for short, errors in pools(2).run(_job_short_path_config_errors):
-        assert short and errors == ["thresholds={'intra':", "channels=0"], errors
+        assert short and errors == ["thresholds={'intra':", "channels=0", "channels=1.0", "cuda_graphs=0"], errors
 
 
 def _job_native_priced_as_held(rank, world):

@@ -678,6 +678,27 @@ def test_the_group_remembers_what_it_ran_by_collective_size_and_config():
     assert c.last_run("all_reduce", 1 << 30, torch.float32, "coo direct") == "direct/coo"
 
 
+def test_where_calls_hold_native_the_native_call_is_priced_without_an_exchange():
+    """``check_calls="first"`` (auto holds native choices): native is priced with no exchange and
+    none of the exchange's further rounds, every sparse candidate with both; checking every call,
+    native pays them too."""
+    layout = ChunkLayout.aligned(4 * 16 * TILE, 4)
+    topology = Topology(4)
+    summary = CountSummary.of("all_reduce", _table(layout, 0.01), layout, topology)
+    model, rounds = _model(), 3
+    _, every = weigh(summary, CollectiveConfig(), F32, model, rounds=rounds)
+    _, first = weigh(summary, CollectiveConfig(check_calls="first"), F32, model, rounds=rounds)
+    extra = (rounds - 1) * model.exchange_s
+    assert every["native/dense"] == pytest.approx(
+        model.predict_native("all_reduce", layout.numel, F32, topology) + extra
+    )
+    assert first["native/dense"] == pytest.approx(model.predict_native("all_reduce", layout.numel, F32, topology, 0))
+    assert first["native/dense"] < every["native/dense"] - extra
+    assert {n: t for n, t in first.items() if n != "native/dense"} == {
+        n: t for n, t in every.items() if n != "native/dense"
+    }
+
+
 def test_a_near_tied_candidate_not_yet_tried_at_this_density_is_run_instead():
     """``tried``: a sparse candidate within TRIAL_MARGIN of the choice and not among the tried runs
     instead (a trial); tried, or beyond the margin, it does not; native is tried and left for a

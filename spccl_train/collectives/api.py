@@ -256,13 +256,13 @@ def _call(
         config = CollectiveConfig()
     elif not isinstance(config, CollectiveConfig):
         raise TypeError(f"config must be a CollectiveConfig or None, got {type(config).__name__}")
+    config.validate()
     if planning_stream is not None and not isinstance(planning_stream, torch.cuda.Stream):
         raise TypeError(f"planning_stream must be a torch.cuda.Stream or None, got {type(planning_stream).__name__}")
     if planning_stream is not None and not input.is_cuda:
         planning_stream = None  # CPU work is ordered by the host
-    # A call of a shape that went native unexchanged before: the short path, ahead of all else (on
-    # NVLink the host's time up to NCCL's launch is the whole of what it adds to NCCL's call).
-    # The route's key holds every field of the config an earlier call of it validated.
+    # A call of a shape that went native unexchanged before: the short path, ahead of the rest (on
+    # NVLink the host's time up to NCCL's launch is most of what it adds to NCCL's call).
     route = (
         held.lookup(collective, group, config, input, output)
         if bounds is None and encoded is None and planning_group is None
@@ -277,7 +277,6 @@ def _call(
         if ran is not None:
             _local.stats = ran[0]
             return CollectiveWork([output], *ran) if async_op else None
-    config.validate()
     transport = transport_of(group)
     planner = transport if planning_group is None else transport_of(planning_group)
     if (planner.world, planner.rank) != (transport.world, transport.rank):
@@ -528,7 +527,8 @@ def _run(
         )  # fmt: skip
 
     # 3. the executors (a native choice that calls of the shape hold is priced, so observed, as
-    # NCCL's call alone: what the held calls will take, :func:`.choice._price`)
+    # NCCL's call alone, timed from just before the executor issues it: what the held calls will
+    # take, :func:`.choice._price`)
     alone = Span(inp.device) if choice.algorithm == "native" and bounds is None and config.holds_native() else None
     plan, extra = execute(
         Execution(

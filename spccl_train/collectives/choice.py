@@ -225,9 +225,9 @@ def weigh_batch(
     native, priced = _price(summary, config, dtype, model, exchanges, rings)
     batch = summary.held.shape[0]
     out = []
+    held = native is not None and config.holds_native()
     for i in range(batch):
         at = [(a, f, m, Prediction(float(p.seconds[i]), bool(p.sparse[i]))) for a, f, m, p in priced]
-        held = native is not None and config.holds_native()
         out.append(_pick(_candidates(native, at), native is not None, model, exchanges, None, rounds, None, None, held))
     return out
 
@@ -242,9 +242,9 @@ def _price(
     native call is priced with no exchange: a native choice is held, and the shape's next calls
     run NCCL's call alone (up to 16 of 17: :class:`~.state.NativeHolds`), while a sparse choice
     exchanges on every call. Priced with the exchange, as this call made it, a native call of
-    1 GiB bf16 at 90% on 2 H100s over NVLink was predicted (and, corrected, seen) at 4.4-4.6 ms
-    after a 1.4 ms count pass and exchange, and ``auto`` ran direct/Pici at 3.7 ms (1.13x) where
-    NCCL's call alone took 3.34 (bench/results/2026-11-27_twentysecond/)."""
+    1 GiB bf16 at 90% on 2 H100s over NVLink was predicted at 4.2-4.6 ms and took 4.5-4.8 after a
+    1.4 ms count pass and exchange, and ``auto`` ran direct/Pici at 3.76 ms (1.13x) where NCCL's
+    call alone took 3.34 (bench/results/2026-11-27_twentysecond/)."""
     collective, layout, topology = summary.collective, summary.layout, summary.topology
     native_only = config.format == "dense" and config.algorithm == "auto"
     native = None

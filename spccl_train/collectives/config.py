@@ -104,8 +104,10 @@ class CollectiveConfig:
     (``state.NativeHolds``: a shape NCCL wins, on NVLink, then costs NCCL's call, not an exchange
     and NCCL's call). The price: ranks whose later calls diverge (one
     rank passing another size, or a bad tensor, in a shape checked before) are no longer told and
-    hang in the native collective, as ``torch.distributed``'s own calls do. For callers whose call
-    shapes are fixed by construction (a DDP hook's buckets)."""
+    hang in the native collective, as ``torch.distributed``'s own calls do. A shape's held calls
+    keep the launch's environment as its first held call read it (``SPCCL_RANKS_PER_NODE``,
+    ``LOCAL_WORLD_SIZE``, ``SPCCL_SCALABLE_EXCHANGE_WORLD``): change it only between process
+    groups. For callers whose call shapes are fixed by construction (a DDP hook's buckets)."""
     cost_model: CostModel | str | None = "measured"
     """Link and codec speeds for ``"auto"``. ``"measured"``: measured on the group's first call
     (:mod:`.links`: link latency and bandwidth per hop kind, the exchange's latency, codec

@@ -26,6 +26,7 @@ __all__ = [
     "model_of",
     "nodes_code",
     "ranks_per_node",
+    "release_holds",
     "transport_of",
 ]
 
@@ -115,8 +116,9 @@ def learned_corrections(group: dist.ProcessGroup | None = None) -> Corrections:
 
 def release_holds(group: dist.ProcessGroup | None = None) -> None:
     """End every native hold of ``group`` (``check_calls="first"``): the next call of each shape
-    held native exchanges its counts again, so it sees its data. A hold otherwise lasts up to 16
-    calls of its shape (:class:`~.state.NativeHolds`), and sees no data meanwhile. Call it where
+    held native is decided again, and exchanges its counts to see its data unless no data could
+    make a sparse candidate win it. A hold otherwise lasts up to 16 calls of its shape
+    (:class:`~.state.NativeHolds`), and sees no data meanwhile. Call it where
     the data's sparsity is known to change (pruning that begins after dense steps), on every
     rank of the group between the same two calls: ranks that disagree on a hold hang, one rank
     in the native collective and another in the exchange."""

@@ -259,17 +259,14 @@ def lookup(
     collective: str, group: dist.ProcessGroup | None, config: CollectiveConfig, inp: torch.Tensor, out: torch.Tensor
 ) -> Route | None:
     """The route of this call's shape, if a call of it went native unexchanged on the full path
-    (``None``: take the full path, which validates the config and the group: a route's key holds
-    every field of a config an earlier call validated, so a config that finds one is valid, and one
-    whose fields cannot be hashed finds none). The caller checks the tensors before :func:`run`."""
-    if not config.holds_native() or config.cuda_graphs:  # (a graphed call replays, or exchanges)
+    (``None``: take the full path, which checks the group). The caller validates the config first
+    and checks the tensors before :func:`run`."""
+    # (a config with cuda_graphs takes the full path, graphable or not: a graphed call replays)
+    if not config.holds_native() or config.cuda_graphs:
         return None
     if group is not None and not dist.is_initialized():  # a group kept past its destruction
         return None
-    try:
-        return group_state(group).routes.get(route_key(collective, config, inp, out))
-    except TypeError:  # a field that cannot be hashed
-        return None
+    return group_state(group).routes.get(route_key(collective, config, inp, out))
 
 
 def run(
@@ -280,9 +277,9 @@ def run(
 ) -> tuple[CollectiveStats, torch.cuda.Event | None] | None:
     """The short path of a call of ``route``'s shape, its tensors checked: decided as
     :func:`goes_native_unexchanged` decides (:meth:`Route.held_now`), then :func:`native_call`
-    (``None``: the call exchanges, on the full path). It skips the config's validation, the
-    request, the layout, the model, corrections and topology look-ups, the native prediction
-    and, while the group's corrections stand, the model's verdict."""
+    (``None``: the call exchanges, on the full path). It skips the transport, the request, the
+    layout, the model, corrections and topology look-ups, the native prediction and, while the
+    group's corrections stand, the model's verdict."""
     if not route.held_now():
         return None
     if planning_stream is not None:  # the input is ready on the planning stream

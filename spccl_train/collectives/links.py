@@ -298,10 +298,10 @@ def codec_costs(device: torch.device, *, use_cache: bool = True) -> dict[str, Co
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(large, device=device, generator=gen)
     x *= torch.rand(large, device=device, generator=gen) < 0.01
+    into = torch.empty_like(x)
     found = {}
     for fmt in (Format.PICI, Format.COO):
         payload = torch.empty(capacity_bytes(fmt, large, x.dtype), dtype=torch.uint8, device=device)
-        into = torch.empty_like(x)
         seconds: dict[str, list[float]] = {"compress": [], "decompress": [], "accumulate": []}
         for n in sizes:
             part, out = x[:n], into[:n]
@@ -323,6 +323,7 @@ def codec_costs(device: torch.device, *, use_cache: bool = True) -> dict[str, Co
         found[fmt.value] = CodecCost(
             **rates, call_s=_device_seconds(lambda: compress_into(fmt, tiny, tiny_out), device)
         )
+        payload = None  # freed before the next format's is made
     if use_cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -333,8 +334,9 @@ def codec_costs(device: torch.device, *, use_cache: bool = True) -> dict[str, Co
 
 
 def _throughput(extra_bytes: int, extra_s: float, whole_bytes: int, whole_s: float) -> float:
-    """Bytes per second from the extra time of the larger size; where noise made it no longer
-    than the smaller size's (a host that stalled on the smaller), the larger size's own rate."""
+    """Bytes per second from the extra time of the larger size; where that is under 5% of the
+    larger size's time (noise: a host that stalled on the smaller size), the larger size's own
+    rate. A stall on the smaller size that leaves more still reads the codec faster than it is."""
     if extra_s > 0.05 * whole_s:
         return extra_bytes / extra_s
     return whole_bytes / whole_s
