@@ -612,7 +612,8 @@ def test_release_holds(pools):
 
 def _job_short_path_config_errors(rank, world):
     """A config changed after its shape took the short path is validated as any other: a field
-    that cannot be hashed and a bad value both raise the full path's error naming the field."""
+    that cannot be hashed, a bad value, and one equal to the route's but of the wrong type each
+    raise the error naming the field."""
     cfg = CollectiveConfig(check_calls="first", cost_model=CostModel.default("cpu"))
     x = torch.ones(3000)
     ran = []
@@ -637,7 +638,7 @@ def _job_short_path_config_errors(rank, world):
     return short, errors
 
 
-def test_the_short_path_leaves_bad_configs_to_the_full_path(pools):
+def test_the_short_path_takes_no_bad_config(pools):
     for short, errors in pools(2).run(_job_short_path_config_errors):
         assert short and errors == ["thresholds={'intra':", "channels=0", "channels=1.0", "cuda_graphs=0"], errors
 
