@@ -302,19 +302,17 @@ def codec_costs(device: torch.device, *, use_cache: bool = True) -> dict[str, Co
     found = {}
     for fmt in (Format.PICI, Format.COO):
         payload = torch.empty(capacity_bytes(fmt, large, x.dtype), dtype=torch.uint8, device=device)
-        seconds: dict[str, list[float]] = {"compress": [], "decompress": [], "accumulate": []}
+        seconds: dict[str, list[float]] = {"compress": [], "decompress": [], "accumulate": []}  # by size
         for n in sizes:
             part, out = x[:n], into[:n]
             nnz = compress_into(fmt, part, payload) if fmt is Format.COO else None  # COO payloads do not carry it
-            seconds["compress"].append(_device_seconds(lambda: compress_into(fmt, part, payload), device))
-            seconds["decompress"].append(
-                _device_seconds(lambda: decompress_into(fmt, payload, out, nnz=nnz, check=False), device)
-            )
-            seconds["accumulate"].append(
-                _device_seconds(
-                    lambda: decompress_into(fmt, payload, out, nnz=nnz, accumulate=True, check=False), device
-                )
-            )
+            ops = {
+                "compress": lambda: compress_into(fmt, part, payload),
+                "decompress": lambda: decompress_into(fmt, payload, out, nnz=nnz, check=False),
+                "accumulate": lambda: decompress_into(fmt, payload, out, nnz=nnz, accumulate=True, check=False),
+            }
+            for name, op in ops.items():
+                seconds[name].append(_device_seconds(op, device))
         tiny, tiny_out = x[:4096], torch.empty(capacity_bytes(fmt, 4096, x.dtype), dtype=torch.uint8, device=device)
         extra_bytes = (sizes[1] - sizes[0]) * x.element_size()
         rates = {
