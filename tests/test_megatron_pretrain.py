@@ -147,6 +147,11 @@ def test_dense_run_times_megatrons_own_reduction(runs):
 def test_megatron_optimizer_equals_the_cpu_stand_in_and_runs_bf16_distributed(runs):
     assert _losses(runs["megatron-adam"][0]) == pytest.approx(_losses(runs["dense"][0]), abs=1e-6)
     assert _losses(runs["distopt"][0]) == pytest.approx(_losses(runs["dense"][0]), abs=1e-6)
+    # The gradient norm each optimizer reports (before clipping) is the same norm.
+    norms = [r["grad_norm"] for r in runs["dense"][0]]
+    assert all(0 < norm < math.inf for norm in norms)
+    for name in ("megatron-adam", "distopt"):
+        assert [r["grad_norm"] for r in runs[name][0]] == pytest.approx(norms, rel=1e-5), name
     assert runs["dense"][1]["optimizer"].startswith("torch AdamW stand-in")
     assert runs["megatron-adam"][1]["optimizer"].startswith("Megatron fp32 Adam")
     rows, summary = runs["bf16-distopt-spccl"]

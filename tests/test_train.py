@@ -220,10 +220,14 @@ def _tiny(tmp_path: pathlib.Path, name: str, *extra: str) -> C.ExperimentConfig:
     )
 
 
-def _losses(run_dir: pathlib.Path) -> list[float]:
+def _column(run_dir: pathlib.Path, name: str) -> list[float]:
     lines = (run_dir / "iterations.csv").read_text().splitlines()
-    col = lines[0].split(",").index("loss")
+    col = lines[0].split(",").index(name)
     return [float(line.split(",")[col]) for line in lines[1:]]
+
+
+def _losses(run_dir: pathlib.Path) -> list[float]:
+    return _column(run_dir, "loss")
 
 
 def test_training_two_gloo_ranks_dense_and_spccl(tmp_path):
@@ -231,10 +235,13 @@ def test_training_two_gloo_ranks_dense_and_spccl(tmp_path):
     exact = launch(
         _tiny(tmp_path, "exact", "spccl.prune=false", "spccl.collective.format=pici", "output.plot=false"), "tiny_cpu"
     )
-    pruned = launch(_tiny(tmp_path, "pruned", "spccl.collective.format=coo"), "tiny_cpu")
+    pruned = launch(_tiny(tmp_path, "pruned", "spccl.collective.format=coo", "optim.grad_clip=0"), "tiny_cpu")
     # Pruning off: the sparse all-reduce is exact, and with two ranks a + b rounds the same in
-    # any order, so the losses equal dense DDP's bit for bit.
+    # any order, so the losses, and the reduced gradients' norms, equal dense DDP's bit for bit.
     assert _losses(exact) == _losses(dense)
+    assert _column(exact, "grad_norm") == _column(dense, "grad_norm")
+    assert all(0 < norm < math.inf for norm in _column(dense, "grad_norm"))
+    assert all(math.isnan(norm) for norm in _column(pruned, "grad_norm"))  # no clipping, no norm
     assert _losses(pruned)[0] == _losses(dense)[0] and _losses(pruned) != _losses(dense)
     s_dense = json.loads((dense / "summary.json").read_text())
     s_pruned = json.loads((pruned / "summary.json").read_text())

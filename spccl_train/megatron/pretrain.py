@@ -55,6 +55,7 @@ the CPU). The distributed optimizer needs CUDA.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pathlib
 import sys
@@ -556,7 +557,7 @@ def _loop(cfg, config_name, rank, world, device, data, model, optimizer, state, 
         loss = per_token.float().mean()
         loss.backward()
         model.finish_grad_sync()
-        optimizer.step()
+        _, grad_norm, _ = optimizer.step()  # Megatron's (update made, norm before clipping, zeros)
         _sync(device)
         elapsed = time.perf_counter() - start
 
@@ -583,6 +584,7 @@ def _loop(cfg, config_name, rank, world, device, data, model, optimizer, state, 
             dense_bytes=dense_bytes,
             deferred=deferred,
             exchanges=exchanges,
+            grad_norm=math.nan if grad_norm is None else float(grad_norm),
         )
     log.close()
     if rank != 0:

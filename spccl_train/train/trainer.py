@@ -82,6 +82,8 @@ class IterationRecord:
     """Elements pruning kept but the capacity bound deferred to a later iteration (``spccl.capacity_factor``)."""
     exchanges: int = 0
     """Planning exchanges (host synchronisations) of the iteration's sparse all-reduces."""
+    grad_norm: float = math.nan
+    """Global norm of the reduced gradient before clipping (NaN: ``optim.grad_clip=0``)."""
     data_s: float = math.nan
     """:data:`BREAKDOWN` ``data`` (NaN: the loop did not split its iterations, as the Megatron engine's)."""
     forward_s: float = math.nan
@@ -454,8 +456,9 @@ def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pa
         t_forward = timeline.mark()
         loss.backward()
         t_backward = timeline.mark()
+        grad_norm = None
         if cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         t_step = timeline.mark()
@@ -486,6 +489,7 @@ def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pa
             dense_bytes=hook.dense_bytes,
             deferred=hook.deferred,
             exchanges=hook.exchanges,
+            grad_norm=math.nan if grad_norm is None else grad_norm.item(),
             **{f"{key}_s": value for key, value in parts.items()},
         )
     log.close()
