@@ -20,6 +20,7 @@ def _burst_adamw_kernel(
     m_ptr,
     v_ptr,
     age_ptr,
+    owed_ptr,
     numel,
     log2_beta1,
     log2_beta2,
@@ -28,6 +29,8 @@ def _burst_adamw_kernel(
     inv_sqrt_bias2,
     eps,
     max_age,
+    max_burst,
+    PACED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -38,16 +41,22 @@ def _burst_adamw_kernel(
     v = tl.load(v_ptr + offsets, mask=mask, other=0.0)
     age = tl.minimum(tl.load(age_ptr + offsets, mask=mask, other=0).to(tl.int32) + 1, 255)
     arrived = g != 0.0
-    a = tl.minimum(age, max_age).to(tl.float32)
+    a_steps = tl.minimum(age, max_age)
+    a = a_steps.to(tl.float32)
     per_step = g / a
-    # a steps of a constant per-step gradient in closed form; nothing moves where nothing arrived
+    # a steps of a constant per-step gradient in closed form; the moments move only where something arrived
     w1 = tl.where(arrived, 1.0 - tl.exp2(a * log2_beta1), 0.0)
     w2 = tl.where(arrived, 1.0 - tl.exp2(a * log2_beta2), 0.0)
     m = m + w1 * (per_step - m)
     v = v + w2 * (per_step * per_step - v)
     p = p * decay_factor
-    update = a * m / (tl.sqrt(v) * inv_sqrt_bias2 + eps)
-    p = tl.where(arrived, p - step_size * update, p)
+    moves = tl.where(arrived, a_steps, 0)  # steps' worth each coordinate moves now
+    if PACED:  # at most max_burst now, the rest owed to the next steps (saturating at 255)
+        due = tl.minimum(moves + tl.load(owed_ptr + offsets, mask=mask, other=0).to(tl.int32), 255)
+        moves = tl.minimum(due, max_burst)
+        tl.store(owed_ptr + offsets, (due - moves).to(tl.uint8), mask=mask)
+    update = moves.to(tl.float32) * m / (tl.sqrt(v) * inv_sqrt_bias2 + eps)
+    p = p - step_size * update
     tl.store(p_ptr + offsets, p, mask=mask)
     tl.store(m_ptr + offsets, m, mask=mask)
     tl.store(v_ptr + offsets, v, mask=mask)
@@ -65,6 +74,7 @@ def burst_adamw_step(
     m: torch.Tensor,
     v: torch.Tensor,
     age: torch.Tensor,
+    owed: torch.Tensor | None,
     *,
     beta1: float,
     beta2: float,
@@ -73,8 +83,10 @@ def burst_adamw_step(
     inv_sqrt_bias2: float,
     eps: float,
     max_age: int,
+    max_burst: int,
 ) -> None:
-    """One step in place; every tensor contiguous, fp32 (``age``: uint8), of ``p``'s size."""
+    """One step in place; every tensor contiguous, fp32 (``age``, ``owed``: uint8), of ``p``'s size.
+    ``max_burst`` 0 (``owed`` None): each burst moves at once."""
     numel = p.numel()
     if numel == 0:
         return
@@ -84,6 +96,7 @@ def burst_adamw_step(
         m,
         v,
         age,
+        age if owed is None else owed,  # not read unless paced
         numel,
         _log2(beta1),
         _log2(beta2),
@@ -92,5 +105,7 @@ def burst_adamw_step(
         inv_sqrt_bias2,
         eps,
         max_age,
+        max_burst,
+        PACED=owed is not None,
         BLOCK=BLOCK,
     )

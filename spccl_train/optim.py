@@ -22,6 +22,15 @@ decay is decoupled, as in AdamW, every step. With every coordinate arriving ever
 
 Error feedback with ``decay < 1`` leaks part of the waiting sum, so a burst then holds less than
 ``a`` steps. ``max_age`` caps ``a`` for that case; the age counter itself saturates at 255.
+
+``max_burst`` paces the move: a coordinate moves at most ``max_burst`` steps' worth in one step,
+and the rest of a longer burst on the next steps, with the moments of then (the steps still owed
+are kept in ``owed``, uint8, saturating at 255). The moments take the whole burst at once, as
+above. Why: at 99% density most bursts arrive after tens of steps, and applying each at once
+moves the weights in lumps that dense AdamW never makes; the loss then spikes some tens of
+iterations after the density warm-up, and the runs that spike end several percent above dense.
+Capping the age instead (``max_age``) stops the spikes but loses the rest of each burst, so the
+run falls behind dense late (``bench/results/2026-11-27_twentythird/``).
 A coordinate whose gradient is exactly zero for reasons other than pruning, such as an unused
 embedding row, also ages. Its first nonzero gradient then moves it as if that gradient had
 waited. Bound that with ``max_age`` where it matters.
@@ -40,14 +49,13 @@ __all__ = ["BurstAdamW"]
 _AGE_LIMIT = 255  # ages are uint8
 
 
-def _fused(p: torch.Tensor, *rest: torch.Tensor) -> bool:
+def _fused(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *counters: torch.Tensor) -> bool:
     """True when the step runs as one Triton pass: the Triton kernels serve ``p`` and the tensors
-    are contiguous, fp32 (the age last: uint8); otherwise the torch ops below serve."""
-    floats = (p, *rest[:-1])
+    are contiguous, fp32 (the counters, age and owed: uint8); otherwise the torch ops below serve."""
     return (
         uses_triton(p)
-        and all(t.dtype == torch.float32 and t.is_contiguous() for t in floats)
-        and rest[-1].is_contiguous()
+        and all(t.dtype == torch.float32 and t.is_contiguous() for t in (p, grad, m, v))
+        and all(t.is_contiguous() for t in counters)
     )
 
 
@@ -58,9 +66,12 @@ class BurstAdamW(torch.optim.Optimizer):
         params: parameters or parameter groups, as for ``torch.optim.AdamW``.
         lr, betas, eps, weight_decay: as for ``torch.optim.AdamW``.
         max_age: the most steps one arriving gradient is read as (1 to 255; ``None``: 255).
+        max_burst: the most steps' worth a coordinate moves in one step; the rest of a longer
+            burst moves on the next steps (1 to 255; ``None``: all at once).
 
     State per parameter: ``exp_avg``, ``exp_avg_sq`` (the parameter's dtype), ``age`` (uint8:
-    steps since the coordinate last received a nonzero gradient) and ``step``.
+    steps since the coordinate last received a nonzero gradient), ``owed`` (uint8, with
+    ``max_burst`` only: steps' worth still to move) and ``step``.
 
     Example::
 
@@ -77,6 +88,7 @@ class BurstAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         max_age: int | None = None,
+        max_burst: int | None = None,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"lr={lr}: the learning rate must be >= 0")
@@ -88,7 +100,16 @@ class BurstAdamW(torch.optim.Optimizer):
             raise ValueError(f"weight_decay={weight_decay}: must be >= 0")
         if max_age is not None and not 1 <= max_age <= _AGE_LIMIT:
             raise ValueError(f"max_age={max_age}: must be 1 to {_AGE_LIMIT} (or None for {_AGE_LIMIT})")
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "max_age": max_age}
+        if max_burst is not None and not 1 <= max_burst <= _AGE_LIMIT:
+            raise ValueError(f"max_burst={max_burst}: must be 1 to {_AGE_LIMIT} (or None to move each burst at once)")
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "max_age": max_age,
+            "max_burst": max_burst,
+        }
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -102,29 +123,33 @@ class BurstAdamW(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
             max_age = group["max_age"] or _AGE_LIMIT
+            max_burst = group.get("max_burst")
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("BurstAdamW takes dense gradients (zeros mark what did not arrive)")
-                self._update(p, self._state(p), beta1, beta2, lr, eps, wd, max_age)
+                self._update(p, self._state(p, max_burst), beta1, beta2, lr, eps, wd, max_age, max_burst)
         return loss
 
-    def _state(self, p: torch.Tensor) -> dict:
+    def _state(self, p: torch.Tensor, max_burst: int | None) -> dict:
         state = self.state[p]
         if not state:
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["age"] = torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.preserve_format)
+        if max_burst is not None and "owed" not in state:
+            state["owed"] = torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.preserve_format)
         return state
 
     @staticmethod
-    def _update(p, state, beta1, beta2, lr, eps, wd, max_age) -> None:
+    def _update(p, state, beta1, beta2, lr, eps, wd, max_age, max_burst) -> None:
         grad, m, v, age = p.grad, state["exp_avg"], state["exp_avg_sq"], state["age"]
+        owed = state.get("owed") if max_burst is not None else None
         state["step"] += 1
         step = state["step"]
-        if _fused(p, grad, m, v, age):
+        if _fused(p, grad, m, v, age, *([] if owed is None else [owed])):
             from ._optim_kernel import burst_adamw_step
 
             burst_adamw_step(
@@ -133,6 +158,7 @@ class BurstAdamW(torch.optim.Optimizer):
                 m,
                 v,
                 age,
+                owed,
                 beta1=beta1,
                 beta2=beta2,
                 decay_factor=1 - lr * wd,
@@ -140,6 +166,7 @@ class BurstAdamW(torch.optim.Optimizer):
                 inv_sqrt_bias2=1 / math.sqrt(1 - beta2**step),
                 eps=eps,
                 max_age=max_age,
+                max_burst=max_burst or 0,
             )
             return
         age.add_(age < _AGE_LIMIT)  # saturating
@@ -154,5 +181,10 @@ class BurstAdamW(torch.optim.Optimizer):
         bias1 = 1 - beta1**step
         bias2 = 1 - beta2**step
         denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
-        p.addcdiv_(a.mul_(arrived).mul_(m), denom, value=-lr / bias1)
+        moves = a.mul_(arrived)  # steps' worth each coordinate moves now
+        if owed is not None:
+            due = moves.add_(owed).clamp_(max=_AGE_LIMIT)  # saturating
+            moves = due.clamp(max=max_burst)
+            owed.copy_(due.sub_(moves))
+        p.addcdiv_(moves.mul_(m), denom, value=-lr / bias1)
         age.masked_fill_(arrived, 0)

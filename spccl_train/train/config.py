@@ -115,6 +115,9 @@ class OptimConfig:
     with ``spccl.pruning.decay=1.0``; DDP engine only)."""
     max_age: int = dataclasses.field(default=0, metadata={"min": 0, "max": 255})
     """``burst_adamw``: the most steps one arriving gradient is read as (0: no cap below 255)."""
+    max_burst: int = dataclasses.field(default=0, metadata={"min": 0, "max": 255})
+    """``burst_adamw``: the most steps' worth a coordinate moves in one step; the rest of a longer
+    burst moves on the next steps (0: each burst at once)."""
     lr: float = dataclasses.field(default=1e-3, metadata=_at_least(0.0))
     """Peak learning rate."""
     min_lr: float = dataclasses.field(default=1e-4, metadata=_at_least(0.0))
@@ -304,8 +307,9 @@ class ExperimentConfig:
             raise ConfigError(
                 f"data.tokenizer_vocab_size={d.tokenizer_vocab_size} exceeds model.vocab_size={m.vocab_size}"
             )
-        if self.optim.max_age and self.optim.name != "burst_adamw":
-            raise ConfigError(f"optim.max_age={self.optim.max_age} applies to optim.name=burst_adamw only")
+        for key in ("max_age", "max_burst"):
+            if getattr(self.optim, key) and self.optim.name != "burst_adamw":
+                raise ConfigError(f"optim.{key}={getattr(self.optim, key)} applies to optim.name=burst_adamw only")
         s = self.spccl
         if 0 < s.capacity_factor < 1:
             raise ConfigError(

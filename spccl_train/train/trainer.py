@@ -271,7 +271,7 @@ def make_optimizer(params, o) -> torch.optim.Optimizer:
     """The optimizer ``optim.name`` names, from the ``optim`` section of an experiment."""
     kwargs = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay}
     if o.name == "burst_adamw":
-        return BurstAdamW(params, max_age=o.max_age or None, **kwargs)
+        return BurstAdamW(params, max_age=o.max_age or None, max_burst=o.max_burst or None, **kwargs)
     # torch's fused AdamW (one kernel over all tensors) on GPUs: the fastest dense step torch has, so
     # speed ratios against dense runs compare with the best dense baseline; foreach elsewhere.
     params = [{**q, "params": list(q["params"])} if isinstance(q, dict) else q for q in params]
