@@ -28,6 +28,7 @@ both take is one :class:`~spccl_train.sparse_config.SparseConfig`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -108,6 +109,9 @@ class ReductionSummary:
     decode_failures: int = 0
     """Reductions whose decoders reported a bad payload (0 unless something is wrong; with
     ``capacity_factor`` the bounds hold by construction, so anything else is a bug to report)."""
+    choices: dict[str, int] = dataclasses.field(default_factory=dict)
+    """SpCCL reductions by the candidate that ran (``"direct/coo"``, ``"native/dense"``, ...):
+    what ``auto`` chose, trials included."""
 
     @property
     def density(self) -> float:
@@ -148,6 +152,7 @@ class BucketReducer:
         "_prune_seconds",
         "_reduce_seconds",
         "_decode_failures",
+        "_choices",
         "_prune_spans",
         "_stats",
     )
@@ -193,6 +198,7 @@ class BucketReducer:
         self._deferred: torch.Tensor | int = 0
         self._prune_seconds = self._reduce_seconds = 0.0
         self._decode_failures: torch.Tensor | int = 0
+        self._choices: collections.Counter[str] = collections.Counter()
         self._prune_spans: list[Span] = []
         self._stats: list[CollectiveStats] = []
 
@@ -215,6 +221,7 @@ class BucketReducer:
             deferred=int(self._deferred),
             exchanges=self._exchanges,
             decode_failures=int(self._decode_failures),
+            choices=dict(self._choices),
         )
 
     def _fold(self, keep: int) -> None:
@@ -333,6 +340,7 @@ class BucketReducer:
             bucket.validated = (numel, collective)  # every rank's bucket agreed in the exchange
         stats = work.stats
         bucket.last_choice = (stats.algorithm, stats.format)
+        self._choices[stats.candidate] += 1
         self._reductions += 1
         self._exchanges += stats.exchanges
         self._elements += numel

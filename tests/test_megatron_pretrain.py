@@ -64,7 +64,8 @@ def _tiny(tmp_path: pathlib.Path, name: str, *extra: str) -> C.ExperimentConfig:
 def _rows(run_dir: pathlib.Path) -> list[dict]:
     lines = (run_dir / "iterations.csv").read_text().splitlines()
     head = lines[0].split(",")
-    return [dict(zip(head, map(float, line.split(",")), strict=True)) for line in lines[1:]]
+    rows = [dict(zip(head, line.split(","), strict=True)) for line in lines[1:]]
+    return [{k: v if k == "choices" else float(v) for k, v in row.items()} for row in rows]
 
 
 def _summary(run_dir: pathlib.Path) -> dict:
@@ -159,6 +160,8 @@ def test_megatron_optimizer_equals_the_cpu_stand_in_and_runs_bf16_distributed(ru
     assert summary["optimizer"].startswith("Megatron distributed Adam")
     assert all(math.isfinite(loss) for loss in _losses(rows)) and rows[-1]["loss"] < rows[0]["loss"]
     assert 0.005 < summary["density"] < 0.02 and summary["bytes_ratio"] < 0.5 and summary["prune_ms"] > 0
+    assert summary["choices"] and all(name.endswith("/coo") for name in summary["choices"])  # the pinned format
+    assert runs["dense"][1]["choices"] == {} and {r["choices"] for r in runs["dense"][0]} == {""}
 
 
 def test_command_line_spawns_ranks_and_writes_the_run(tmp_path):

@@ -1,5 +1,6 @@
 """The training plugin on CPU: configs, offline data, the gloo DDP trainer, the report command."""
 
+import csv
 import json
 import math
 import os
@@ -14,7 +15,7 @@ from spccl_train import cli
 from spccl_train.train import config as C
 from spccl_train.train import trainer as T
 from spccl_train.train.data import DataError, TokenData, embedded_corpus, prepare_tokens
-from spccl_train.train.report import BREAKDOWN, default_report_path, report_table
+from spccl_train.train.report import BREAKDOWN, default_report_path, load_run, report_table
 
 EMULATION_VARIABLES = (
     "NCCL_HOSTID",
@@ -226,6 +227,11 @@ def _column(run_dir: pathlib.Path, name: str) -> list[float]:
     return [float(line.split(",")[col]) for line in lines[1:]]
 
 
+def _text_column(run_dir: pathlib.Path, name: str) -> list[str]:
+    with open(run_dir / "iterations.csv", newline="") as f:
+        return [row[name] for row in csv.DictReader(f)]
+
+
 def _losses(run_dir: pathlib.Path) -> list[float]:
     return _column(run_dir, "loss")
 
@@ -245,6 +251,13 @@ def test_training_two_gloo_ranks_dense_and_spccl(tmp_path):
     assert _losses(pruned)[0] == _losses(dense)[0] and _losses(pruned) != _losses(dense)
     s_dense = json.loads((dense / "summary.json").read_text())
     s_pruned = json.loads((pruned / "summary.json").read_text())
+    # What ran, per iteration and summed over the summarised ones: COO where it was pinned, Pici
+    # where it was, nothing on the dense run (nor on the pruned run's dense first iteration).
+    assert s_dense["choices"] == {} and _text_column(dense, "choices") == [""] * 6
+    chosen = _text_column(pruned, "choices")
+    assert chosen[0] == "" and all(text.split(":")[0].endswith("/coo") for text in chosen[1:])
+    assert sum(int(text.rsplit(":", 1)[1]) for text in chosen[2:]) == sum(s_pruned["choices"].values())
+    assert all(name.endswith("/pici") for name in json.loads((exact / "summary.json").read_text())["choices"])
     assert (s_dense["mode"], s_dense["world_size"], s_dense["summarised_iterations"]) == ("dense", 2, 4)
     assert s_dense["bytes_ratio"] == 1.0 and s_dense["prune_ms"] == 0.0
     assert 0.005 < s_pruned["density"] < 0.05 and s_pruned["bytes_ratio"] < 0.2 and s_pruned["prune_ms"] > 0
@@ -285,10 +298,7 @@ def test_emulated_nodes_put_each_rank_on_a_node_and_measure_the_links(tmp_path, 
 def _check_breakdown(run: pathlib.Path, summary: dict) -> None:
     """The parts of every iteration add up to it, the marked phases (all but ``other``) cover it,
     and the work each part names took time."""
-    lines = (run / "iterations.csv").read_text().splitlines()
-    head = lines[0].split(",")
-    for line in lines[1:]:
-        row = dict(zip(head, map(float, line.split(",")), strict=True))
+    for row in load_run(run)[1]:
         parts = [row[f"{key}_s"] for key, _, _ in BREAKDOWN]
         assert all(part >= 0 for part in parts), row
         assert sum(parts) == pytest.approx(row["time_s"], rel=1e-6), row
@@ -301,6 +311,8 @@ def _check_breakdown(run: pathlib.Path, summary: dict) -> None:
     text = T.format_summary(summary, run)
     for _, label, meaning in BREAKDOWN:
         assert label in text and meaning in text
+    ran = "SpCCL reductions by the candidate that ran (summarised iterations): "
+    assert (ran in text) == bool(summary["choices"])
 
 
 def test_world_size_one_runs_in_process(tmp_path, monkeypatch):

@@ -68,6 +68,11 @@ class CollectiveStats:
     is from exact counts, or there is none (native)."""
 
     @property
+    def candidate(self) -> str:
+        """The candidate that ran, named as ``auto`` weighs it: ``"direct/coo"``, ``"native/dense"``, ``"hierarchical"``."""
+        return self.algorithm if self.algorithm == "hierarchical" else f"{self.algorithm}/{self.format.value}"
+
+    @property
     def decode_status(self) -> torch.Tensor | None:
         """OR of every decoder status on this rank, a one-element int32 tensor on the device (0: all
         payloads were intact); ``None`` for local calls. Folded when read, off the hot path."""

@@ -76,6 +76,7 @@ from ..train.trainer import (
     _sync,
     announce_links,
     apply_emulation,
+    choices_text,
     finish_run,
     local_rendezvous,
     make_optimizer,
@@ -566,10 +567,11 @@ def _loop(cfg, config_name, rank, world, device, data, model, optimizer, state, 
             state.reset_stats()
             reduce_s, prune_s, sent, dense_bytes = s.reduce_seconds, s.prune_seconds, s.bytes_sent, s.dense_bytes
             density = s.density if s.elements else 1.0
-            deferred, exchanges = s.deferred, s.exchanges
+            deferred, exchanges, choices = s.deferred, s.exchanges, choices_text(s.choices)
         else:
             reduce_s, prune_s, density = dense.seconds(), 0.0, 1.0
             deferred = exchanges = 0
+            choices = ""
             sent = dense_bytes = dense.dense_bytes
             dense.reset_stats()
         log.record(
@@ -584,6 +586,7 @@ def _loop(cfg, config_name, rank, world, device, data, model, optimizer, state, 
             dense_bytes=dense_bytes,
             deferred=deferred,
             exchanges=exchanges,
+            choices=choices,
             grad_norm=math.nan if grad_norm is None else float(grad_norm),
         )
     log.close()

@@ -47,8 +47,12 @@ BREAKDOWN_COLORS = {
 """Bar colour of each part of :data:`BREAKDOWN` in the plot."""
 
 
+TEXT_COLUMNS = ("choices",)
+"""Columns of ``iterations.csv`` that hold text, not numbers."""
+
+
 def load_run(run_dir: str | pathlib.Path) -> tuple[dict, list[dict]]:
-    """A run's ``summary.json`` and ``iterations.csv`` rows."""
+    """A run's ``summary.json`` and ``iterations.csv`` rows (numbers, but the text column ``choices``)."""
     run_dir = pathlib.Path(run_dir)
     summary_path, rows_path = run_dir / "summary.json", run_dir / "iterations.csv"
     if not summary_path.is_file() or not rows_path.is_file():
@@ -58,7 +62,7 @@ def load_run(run_dir: str | pathlib.Path) -> tuple[dict, list[dict]]:
         )
     summary = json.loads(summary_path.read_text())
     with open(rows_path, newline="") as f:
-        rows = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        rows = [{k: v if k in TEXT_COLUMNS else float(v) for k, v in row.items()} for row in csv.DictReader(f)]
     return summary, rows
 
 

@@ -11,6 +11,7 @@ and bytes sent. Runs are written to ``<output.dir>/<name>/``: ``config.yaml``,
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import csv
 import dataclasses
@@ -44,6 +45,7 @@ from .report import BREAKDOWN, device_line
 __all__ = [
     "BREAKDOWN",
     "IterationRecord",
+    "choices_text",
     "RunLog",
     "announce_links",
     "capacity_factor",
@@ -82,6 +84,8 @@ class IterationRecord:
     """Elements pruning kept but the capacity bound deferred to a later iteration (``spccl.capacity_factor``)."""
     exchanges: int = 0
     """Planning exchanges (host synchronisations) of the iteration's sparse all-reduces."""
+    choices: str = ""
+    """The iteration's SpCCL reductions by the candidate that ran, most first: ``"direct/coo:5 direct/pici:1"``."""
     grad_norm: float = math.nan
     """Global norm of the reduced gradient before clipping (NaN: ``optim.grad_clip=0``)."""
     data_s: float = math.nan
@@ -489,6 +493,7 @@ def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pa
             dense_bytes=hook.dense_bytes,
             deferred=hook.deferred,
             exchanges=hook.exchanges,
+            choices=choices_text(hook.choices),
             grad_norm=math.nan if grad_norm is None else grad_norm.item(),
             **{f"{key}_s": value for key, value in parts.items()},
         )
@@ -709,10 +714,26 @@ def summarize(records: list[IterationRecord], warmup: int, info: dict) -> dict:
         "bytes_ratio": sent / dense if dense else 0.0,
         "deferred_per_iteration": mean("deferred"),
         "exchanges_per_iteration": mean("exchanges"),
+        "choices": _choices_total(kept),
         "first_loss": records[0].loss,
         "final_loss": sum(r.loss for r in tail) / len(tail),
         "last_loss": records[-1].loss,
     }
+
+
+def choices_text(choices: dict[str, int]) -> str:
+    """``{"direct/pici": 1, "direct/coo": 5}`` as ``"direct/coo:5 direct/pici:1"`` (most first; "" for none)."""
+    return " ".join(f"{name}:{n}" for name, n in sorted(choices.items(), key=lambda item: (-item[1], item[0])))
+
+
+def _choices_total(records: list[IterationRecord]) -> dict[str, int]:
+    """The records' :attr:`IterationRecord.choices` summed, most first."""
+    total = collections.Counter()
+    for r in records:
+        for item in r.choices.split():
+            name, n = item.rsplit(":", 1)
+            total[name] += int(n)
+    return dict(total.most_common())
 
 
 def _write_run(run_dir: pathlib.Path, records: list[IterationRecord], summary: dict) -> None:
@@ -752,6 +773,9 @@ def format_summary(summary: dict, run_dir: pathlib.Path) -> str:
         f"  loss {s['first_loss']:.3f} -> {s['final_loss']:.3f} (mean of the last 10; {s['last_loss']:.3f} at "
         f"iteration {s['iterations']}) | density {s['density']:.4f} | bytes sent {100 * s['bytes_ratio']:.1f}% of dense",
     ]
+    if s.get("choices"):
+        ran = ", ".join(f"{name} {n}" for name, n in s["choices"].items())
+        lines.append(f"  SpCCL reductions by the candidate that ran (summarised iterations): {ran}")
     if s.get("links"):
         lines.append(f"  links measured at start: {s['links']}")
     return "\n".join(lines)
