@@ -56,7 +56,7 @@ def _burst_adamw_kernel(
         moves = tl.minimum(due, max_burst)
         tl.store(owed_ptr + offsets, (due - moves).to(tl.uint8), mask=mask)
     update = moves.to(tl.float32) * m / (tl.sqrt(v) * inv_sqrt_bias2 + eps)
-    p = p - step_size * update
+    p = tl.where(moves > 0, p - step_size * update, p)
     tl.store(p_ptr + offsets, p, mask=mask)
     tl.store(m_ptr + offsets, m, mask=mask)
     tl.store(v_ptr + offsets, v, mask=mask)

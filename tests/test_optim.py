@@ -1,5 +1,6 @@
 """BurstAdamW against torch's AdamW and against AdamW run step by step on the waiting gradients."""
 
+import copy
 import math
 
 import pytest
@@ -157,6 +158,35 @@ def test_max_burst_leaves_shorter_bursts_as_they_were():
         paced.step()
         at_once.step()
     assert torch.equal(p, q) and not paced.state[p]["owed"].any()
+
+
+def test_state_round_trips_with_its_counters_and_an_older_checkpoint_takes_the_defaults():
+    """load_state_dict casts state to the parameter's dtype: the counters come back as uint8 and
+    the steps after a reload equal the steps without one; a checkpoint saved before max_burst
+    existed takes the optimizer's own."""
+    torch.manual_seed(1)
+    p = torch.randn(500, requires_grad=True)
+    opt = BurstAdamW([p], lr=1e-2, max_burst=2)
+    grads = [torch.randn(500) * (torch.rand(500) < 0.2) for _ in range(10)]
+    for g in grads[:5]:
+        p.grad = g.clone()
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    q = p.detach().clone().requires_grad_(True)
+    again = BurstAdamW([q], lr=1e-2, max_burst=2)
+    again.load_state_dict(saved)
+    for g in grads[5:]:
+        p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        again.step()
+    assert torch.equal(p, q)
+    assert again.state[q]["age"].dtype == again.state[q]["owed"].dtype == torch.uint8
+    del saved["param_groups"][0]["max_burst"]
+    older = BurstAdamW([q], lr=1e-2, max_burst=4)
+    older.load_state_dict(saved)
+    q.grad = grads[0].clone()
+    older.step()
+    assert older.param_groups[0]["max_burst"] == 4
 
 
 @pytest.mark.parametrize(

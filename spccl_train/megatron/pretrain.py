@@ -587,7 +587,8 @@ def _loop(cfg, config_name, rank, world, device, data, model, optimizer, state, 
             deferred=deferred,
             exchanges=exchanges,
             choices=choices,
-            grad_norm=math.nan if grad_norm is None else float(grad_norm),
+            # Megatron's chained optimizer reports a norm without clipping too: NaN there, as the DDP loop writes
+            grad_norm=math.nan if grad_norm is None or cfg.optim.grad_clip <= 0 else float(grad_norm),
         )
     log.close()
     if rank != 0:
