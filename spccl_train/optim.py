@@ -65,6 +65,17 @@ def _fused(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor
     )
 
 
+def _after_load(optimizer: BurstAdamW) -> None:
+    """After ``load_state_dict``: the counters back to uint8 (torch casts state to the parameter's
+    dtype), and a checkpoint from before ``max_burst`` takes the optimizer's own."""
+    for group in optimizer.param_groups:
+        group.setdefault("max_burst", optimizer.defaults["max_burst"])
+    for state in optimizer.state.values():
+        for key in ("age", "owed"):
+            if key in state and state[key].dtype != torch.uint8:
+                state[key] = state[key].to(torch.uint8)
+
+
 class BurstAdamW(torch.optim.Optimizer):
     """AdamW that applies a gradient arriving after ``a`` empty steps as ``a`` steps' worth (module docstring).
 
@@ -117,6 +128,7 @@ class BurstAdamW(torch.optim.Optimizer):
             "max_burst": max_burst,
         }
         super().__init__(params, defaults)
+        self.register_load_state_dict_post_hook(_after_load)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -129,7 +141,7 @@ class BurstAdamW(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
             max_age = group["max_age"] or _AGE_LIMIT
-            max_burst = group.setdefault("max_burst", self.defaults["max_burst"])  # a checkpoint from before it
+            max_burst = group["max_burst"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -147,9 +159,6 @@ class BurstAdamW(torch.optim.Optimizer):
             state["age"] = torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.preserve_format)
         if max_burst is not None and "owed" not in state:
             state["owed"] = torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.preserve_format)
-        for key in ("age", "owed"):  # load_state_dict casts state to the parameter's dtype
-            if key in state and state[key].dtype != torch.uint8:
-                state[key] = state[key].to(torch.uint8)
         return state
 
     @staticmethod

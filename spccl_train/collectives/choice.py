@@ -41,6 +41,7 @@ from .feedback import factor_of
 from .plan import Plan
 from .rank_plan import plan_all_gather_for, plan_direct_reduce_scatter_for, plan_reduce_scatter_for
 from .state import Memo, clear_memos
+from .stats import candidate_name
 from .summary import DENSITY_STEPS_PER_OCTAVE, CountSummary, Prediction, predict_variants
 from .topology import Topology
 
@@ -78,7 +79,7 @@ class Candidate:
     @property
     def name(self) -> str:
         """``"algorithm/format"``, e.g. ``"ring/pici"``; ``"hierarchical"`` (its steps choose their formats)."""
-        return self.algorithm if self.algorithm == "hierarchical" else f"{self.algorithm}/{self.format.value}"
+        return candidate_name(self.algorithm, self.format)
 
 
 def choose(
@@ -159,7 +160,7 @@ class Weighing:
     candidates: tuple[_Weighed, ...]
     native_weighed: bool
     native_held: bool = False
-    """Whether the native candidate is priced as a held call (no exchange: :func:`_price`)."""
+    """Whether the native candidate, where weighed, is priced as a held call (no exchange: :func:`_price`)."""
 
     def pick(
         self,
@@ -205,7 +206,7 @@ def price(
             extra = model.planning(summary.collective, layout.numel, dtype, summary.topology.world, 1)
             fmt = Format.PICI if config.format == "auto" else Format(config.format)
             candidates.append(("hierarchical", "hierarchical", fmt, predicted + extra, "", True))
-    return Weighing(tuple(candidates), native is not None, native is not None and config.holds_native())
+    return Weighing(tuple(candidates), native is not None, config.holds_native())
 
 
 def weigh_batch(
@@ -225,7 +226,7 @@ def weigh_batch(
     native, priced = _price(summary, config, dtype, model, exchanges, rings)
     batch = summary.held.shape[0]
     out = []
-    held = native is not None and config.holds_native()
+    held = config.holds_native()
     for i in range(batch):
         at = [(a, f, m, Prediction(float(p.seconds[i]), bool(p.sparse[i]))) for a, f, m, p in priced]
         out.append(_pick(_candidates(native, at), native is not None, model, exchanges, None, rounds, None, None, held))
@@ -283,7 +284,7 @@ def _candidates(native: float | None, priced: list[tuple[str, Format, str, Predi
     for algorithm, fmt, mode, got in priced:
         best = weighed.get((fmt, algorithm))
         if best is None or got.seconds < best[3]:
-            weighed[fmt, algorithm] = (f"{algorithm}/{fmt.value}", algorithm, fmt, got.seconds, mode, got.sparse)
+            weighed[fmt, algorithm] = (candidate_name(algorithm, fmt), algorithm, fmt, got.seconds, mode, got.sparse)
     formats = dict.fromkeys(fmt for _, fmt, _, _ in priced)
     algorithms = dict.fromkeys(algorithm for algorithm, _, _, _ in priced)
     return candidates + [weighed[fmt, algorithm] for fmt in formats for algorithm in algorithms]

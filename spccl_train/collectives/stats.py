@@ -13,7 +13,13 @@ from ..formats import Format
 from ._wire import StatusSink
 from .plan import Plan
 
-__all__ = ["CollectiveStats", "CollectiveWork"]
+__all__ = ["CollectiveStats", "CollectiveWork", "candidate_name"]
+
+
+def candidate_name(algorithm: str, fmt: Format) -> str:
+    """A candidate's name as ``auto`` weighs and reports it: ``"ring/pici"``, ``"native/dense"``;
+    ``"hierarchical"`` alone (its steps choose their formats)."""
+    return algorithm if algorithm == "hierarchical" else f"{algorithm}/{fmt.value}"
 
 
 @dataclasses.dataclass(slots=True)
@@ -70,7 +76,7 @@ class CollectiveStats:
     @property
     def candidate(self) -> str:
         """The candidate that ran, named as ``auto`` weighs it: ``"direct/coo"``, ``"native/dense"``, ``"hierarchical"``."""
-        return self.algorithm if self.algorithm == "hierarchical" else f"{self.algorithm}/{self.format.value}"
+        return candidate_name(self.algorithm, self.format)
 
     @property
     def decode_status(self) -> torch.Tensor | None:
