@@ -9,10 +9,14 @@ The DDP comm hook (:mod:`spccl_train.ddp`) and the Megatron integration
    (:meth:`~.pruning.Pruner.prune_to_wire`: one pass, no pruned dense copy; the bucket keeps the
    payloads' buffer, about its own size) and hands them to the all-reduce as its ``encoded`` input.
    That is an all-reduce of ``direct`` or ``auto`` algorithm, no capacity bound, and format
-   ``pici``, or ``auto`` where the bucket's previous reduction chose direct Pici (``auto`` picks
-   per call; on slow links it mostly picks COO, whose payloads are half as large, and a Pici
-   payload would only be decoded again: GPT-2 XL on 2 emulated nodes ran 316.5 ms per iteration
-   pruning to Pici against 288.6 ms pruning in place, sending 4.8% of dense against 3.1%);
+   ``pici``, or ``auto`` on a group within one node where the bucket's previous reduction chose
+   direct Pici. Across nodes ``auto`` prunes in place: there it mostly picks COO, whose payloads
+   are half as large, and a bucket given Pici payloads tilts ``auto`` to keep them (a COO call
+   must decode them first, so COO is seen to take longer than it does, and a candidate left is
+   not tried again unless it is priced near). GPT-2 XL on 2 emulated nodes, one H200: pruning
+   every bucket to Pici ran 316.5 ms per iteration and sent 4.8% of dense, pruning in place 288.6
+   ms and 3.1%, the previous-choice rule 301.9 ms and 3.0% (2026-11-26), and a later run of that
+   rule (d09fb38) kept Pici from iteration 21 to the end: 343.8 ms, 4.8%;
 2. with a ``capacity_factor``, caps each piece the collective will cut (:func:`~.pruning.piece_caps`)
    and, once an exchange has checked the bucket on every rank, plans the call from those caps
    (no host synchronisation);
@@ -45,12 +49,13 @@ from .collectives import (
     EncodedPieces,
     all_reduce,
     reduce_scatter_tensor,
+    spans_nodes,
 )
 from .formats import Format
 from .pruning import Pruner, PruneResult, piece_caps
 from .sparse_config import SparseConfig
 
-__all__ = ["BucketState", "BucketReducer", "ReductionSummary"]
+__all__ = ["BucketState", "BucketReducer", "CallRecord", "ReductionSummary"]
 
 _scopes = itertools.count()
 """Numbers the reducers, to tag their buckets' CUDA graphs apart."""
@@ -78,6 +83,38 @@ class BucketState:
     """The payloads pruning writes for the all-reduce (:meth:`BucketReducer.reduce`), reused every step."""
     last_choice: tuple[str, Format] | None = None
     """``(algorithm, format)`` the bucket's latest reduction ran (equal on every rank)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallRecord:
+    """One sparse reduction, as :attr:`SparseConfig.record_calls <spccl_train.sparse_config.SparseConfig.record_calls>`
+    keeps it: what ``auto`` chose for a bucket, what it expected and what the call took here."""
+
+    bucket: int
+    """The bucket's number (equal on every rank)."""
+    collective: str
+    """``"all_reduce"`` or ``"reduce_scatter"``."""
+    elements: int
+    """The bucket's elements."""
+    candidate: str
+    """The candidate that ran, named as ``auto`` weighs it (``"direct/coo"``, ``"native/dense"``)."""
+    trial: bool
+    """``auto`` ran it to try it (:attr:`~spccl_train.collectives.CollectiveStats.trial`)."""
+    encoded: bool
+    """Its input came as Pici payloads (pruned to the wire)."""
+    predicted_s: float
+    """The cost model's prediction for it, corrections included."""
+    seconds: float
+    """From issue to completion on this rank (device time on CUDA): overlapped calls share the
+    device with the backward pass and with each other."""
+    bytes_sent: int
+    """Bytes this rank put on the wire."""
+    dense_bytes: int
+    """Bytes a dense ring would have sent."""
+    exchanges: int
+    """Planning exchanges (host synchronisations)."""
+    candidates: dict[str, float]
+    """Every candidate ``auto`` weighed and its corrected prediction (empty where none was weighed)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -112,6 +149,8 @@ class ReductionSummary:
     choices: dict[str, int] = dataclasses.field(default_factory=dict)
     """SpCCL reductions by the candidate that ran (``"direct/coo"``, ``"native/dense"``, ...):
     what ``auto`` chose, trials included."""
+    calls: tuple[CallRecord, ...] = ()
+    """Every sparse reduction in order, where ``SparseConfig.record_calls`` asks for them; else empty."""
 
     @property
     def density(self) -> float:
@@ -155,6 +194,7 @@ class BucketReducer:
         "_choices",
         "_prune_spans",
         "_stats",
+        "_calls",
     )
 
     def __init__(self, settings: SparseConfig, engine: str) -> None:
@@ -182,13 +222,14 @@ class BucketReducer:
         return self.settings.prune_to_wire
 
     def __getstate__(self) -> dict:
-        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in ("scope", "_prune_spans", "_stats")}
+        skip = ("scope", "_prune_spans", "_stats", "_calls")
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in skip}
 
     def __setstate__(self, state: dict) -> None:
         for slot, value in state.items():
             setattr(self, slot, value)
         self.scope = next(_scopes)  # a copy must not replay the original's graphs
-        self._prune_spans, self._stats = [], []  # device timers stay with the original
+        self._prune_spans, self._stats, self._calls = [], [], []  # device timers stay with the original
 
     def reset_stats(self) -> None:
         """Zero the totals (not the buckets' error buffers)."""
@@ -201,6 +242,7 @@ class BucketReducer:
         self._choices: collections.Counter[str] = collections.Counter()
         self._prune_spans: list[Span] = []
         self._stats: list[CollectiveStats] = []
+        self._calls: list[tuple[int, int, bool, CollectiveStats]] = []  # record_calls: (bucket, numel, encoded, stats)
 
     def count_dense(self) -> None:
         """Count a bucket reduction the engine did with the dense collective (its warm-up)."""
@@ -222,6 +264,7 @@ class BucketReducer:
             exchanges=self._exchanges,
             decode_failures=int(self._decode_failures),
             choices=dict(self._choices),
+            calls=tuple(_record(*call) for call in self._calls),
         )
 
     def _fold(self, keep: int) -> None:
@@ -240,20 +283,24 @@ class BucketReducer:
         """Whether the bucket's next reduction is planned from its caps (no host synchronisation)."""
         return self.capacity_factor is not None and bucket.validated == (numel, collective)
 
-    def sends_encoded(self, bucket: BucketState, world: int, capped: bool, all_reduce: bool) -> bool:
+    def sends_encoded(
+        self, bucket: BucketState, group: dist.ProcessGroup | None, world: int, capped: bool, all_reduce: bool
+    ) -> bool:
         """Whether a pruned bucket goes to the all-reduce as Pici payloads (:meth:`Pruner.prune_to_wire`):
         the all-reduce will send them (see the module docstring). Equal on every rank."""
         cfg = self.config
-        pici = cfg.format == "pici" or (cfg.format == "auto" and bucket.last_choice == ("direct", Format.PICI))
-        return (
+        if not (
             self.prune_to_wire
             and self.prune
             and all_reduce
             and not capped
             and world > 1
             and cfg.algorithm in ("auto", "direct")
-            and pici
-        )
+        ):
+            return False
+        if cfg.format == "pici":
+            return True
+        return cfg.format == "auto" and bucket.last_choice == ("direct", Format.PICI) and not spans_nodes(cfg, group)
 
     def error_buffer(self, bucket: BucketState, tensor: torch.Tensor) -> torch.Tensor:
         """The bucket's error buffer (made, or remade if the bucket changed shape or device)."""
@@ -299,7 +346,7 @@ class BucketReducer:
                     density = self.pruner.config.density_at(schedule_step)
                     channels = self.config.channels
                     capped = piece_caps(numel, world, channels, density, self.capacity_factor, collective)
-                if self.sends_encoded(bucket, world, capped is not None, shard is None):
+                if self.sends_encoded(bucket, group, world, capped is not None, shard is None):
                     layout = ChunkLayout.of("all_reduce", numel, world, self.config.channels)
                     result, encoded = self.pruner.prune_to_wire(
                         tensor, error, layout, step=step, buffer=bucket.index, schedule_step=schedule_step,
@@ -347,6 +394,26 @@ class BucketReducer:
         self._bytes_sent += stats.bytes_sent
         self._dense_bytes += stats.dense_bytes
         self._stats.append(stats)
+        if self.settings.record_calls:
+            self._calls.append((bucket.index, numel, encoded is not None, stats))
         if len(self._stats) > PENDING_TIMERS:
             self._fold(keep=PENDING_TIMERS // 2)
         return work
+
+
+def _record(bucket: int, numel: int, encoded: bool, stats: CollectiveStats) -> CallRecord:
+    """A call's record; reads its device timer (off the hot path)."""
+    return CallRecord(
+        bucket=bucket,
+        collective=stats.collective,
+        elements=numel,
+        candidate=stats.candidate,
+        trial=stats.trial,
+        encoded=encoded,
+        predicted_s=stats.predicted_s,
+        seconds=stats.elapsed_s,
+        bytes_sent=stats.bytes_sent,
+        dense_bytes=stats.dense_bytes,
+        exchanges=stats.exchanges,
+        candidates=dict(stats.candidates),
+    )

@@ -56,6 +56,12 @@ class SparseConfig:
     them as they are (:mod:`spccl_train.reducer`): one pass over gradient and error buffer instead
     of pruning in place and encoding again. Each such bucket keeps its payloads' buffer, about the
     bucket's size; ``False`` saves that memory."""
+    record_calls: bool = False
+    """Keep a record of every sparse reduction (:class:`~spccl_train.reducer.CallRecord`: bucket,
+    candidate run, trial, whether its input came as Pici payloads, predicted and measured time,
+    bytes, every candidate's price) in the engine's ``summary().calls`` until its stats are reset:
+    what ``auto`` did, bucket by bucket (the trainer's ``output.calls`` writes them to
+    ``calls.csv``). Reset the stats every step (the trainer does), or the records pile up."""
     dense_iterations: int | None = None
     """Reductions of each bucket done densely before SpCCL takes over (a few let pruned training
     start from exact gradients). ``None``: the engine's least, 1 for DDP (it rebuilds its buckets
@@ -75,6 +81,8 @@ class SparseConfig:
             raise TypeError(f"collective={self.collective!r} must be a CollectiveConfig or a mapping of its fields")
         if not isinstance(self.prune_to_wire, bool):
             raise TypeError(f"prune_to_wire={self.prune_to_wire!r} must be True or False")
+        if not isinstance(self.record_calls, bool):
+            raise TypeError(f"record_calls={self.record_calls!r} must be True or False")
         self.capacity_factor = check_capacity_factor(self.capacity_factor, self.prune)
         n = self.dense_iterations
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):

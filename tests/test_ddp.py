@@ -216,6 +216,23 @@ def _job_capacity(rank: int, world: int, steps: int, factor: float, overlap: boo
 # ----------------------------------------------------------------------------- tests
 
 
+def _job_sends_encoded(rank: int, world: int) -> dict[str, bool]:
+    """Which configs prune a bucket whose last reduction ran direct Pici straight to Pici payloads."""
+    from spccl_train.formats import Format
+
+    out = {}
+    for fmt in ("auto", "pici", "coo"):
+        for nodes in ("one node", "across nodes"):
+            collective = {"format": fmt, "ranks_per_node": 1 if nodes == "across nodes" else None}
+            state = SparseHookState(config={"pruning": {"density": 0.01}, "collective": collective})
+            bucket = state.bucket(0)
+            bucket.last_choice = ("direct", Format.PICI)
+            out[f"{fmt}, {nodes}"] = state.reducer.sends_encoded(bucket, None, world, False, True)
+            bucket.last_choice = ("direct", Format.COO)
+            out[f"{fmt}, {nodes}, after COO"] = state.reducer.sends_encoded(bucket, None, world, False, True)
+    return out
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_without_pruning_gradients_equal_default_ddp(pools, world):
     calls = pools(world).run(_job_matches_default_ddp, 4)
@@ -283,6 +300,27 @@ def test_capacity_factor_reduces_without_exchanges(pools, world, factor, overlap
         assert result["failures"] == 0
     if factor == 1.0:  # pieces holding more than their share: the cap defers some
         assert sum(r["deferred"] for r in results) > 0
+
+
+def test_auto_prunes_to_pici_payloads_only_within_one_node(pools):
+    # across nodes auto prunes in place whatever the bucket last ran (a Pici payload tilts auto to
+    # keep Pici where COO sends half the bytes); within one node it follows the last choice, and a
+    # pinned pici always sends payloads
+    got = pools(2).run(_job_sends_encoded)[0]
+    assert got == {
+        "auto, one node": True,
+        "auto, one node, after COO": False,
+        "auto, across nodes": False,
+        "auto, across nodes, after COO": False,
+        "pici, one node": True,
+        "pici, one node, after COO": True,
+        "pici, across nodes": True,
+        "pici, across nodes, after COO": True,
+        "coo, one node": False,
+        "coo, one node, after COO": False,
+        "coo, across nodes": False,
+        "coo, across nodes, after COO": False,
+    }
 
 
 def test_state_validates_and_pickles_without_its_group():

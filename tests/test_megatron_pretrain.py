@@ -8,6 +8,7 @@ and stream queries at the CPU itself and uses its CPU optimizer stand-in. The GP
 """
 
 import contextlib
+import csv
 import json
 import math
 import os
@@ -85,7 +86,12 @@ RUNS = {
     "exact": (False, False, False, ["spccl.prune=false", "spccl.collective.format=pici"]),
     "megatron-adam": (True, False, False, ["spccl.enabled=false"]),
     "distopt": (True, False, True, ["spccl.enabled=false"]),
-    "bf16-distopt-spccl": (True, True, True, ["spccl.collective.format=coo", "spccl.pruning.sample_fraction=0.05"]),
+    "bf16-distopt-spccl": (
+        True,
+        True,
+        True,
+        ["spccl.collective.format=coo", "spccl.pruning.sample_fraction=0.05", "output.calls=true"],
+    ),  # fmt: skip
 }
 
 
@@ -109,6 +115,9 @@ def _job_train(rank, world, tmp, names):
                 run_dir = pretrain._train(_tiny(tmp, name, *extra), "tiny_cpu", rank, world, world, device, distopt)
             pretrain._optimizer = real_optimizer
             out[name] = run_dir and (_rows(run_dir), _summary(run_dir))
+            if run_dir and (run_dir / "calls.csv").exists():
+                with open(run_dir / "calls.csv", newline="") as f:
+                    out[f"{name} calls"] = list(csv.DictReader(f))
     finally:
         pretrain._optimizer, pretrain._precision = real_optimizer, real_precision
     return out
@@ -162,6 +171,15 @@ def test_megatron_optimizer_equals_the_cpu_stand_in_and_runs_bf16_distributed(ru
     assert 0.005 < summary["density"] < 0.02 and summary["bytes_ratio"] < 0.5 and summary["prune_ms"] > 0
     assert summary["choices"] and all(name.endswith("/coo") for name in summary["choices"])  # the pinned format
     assert runs["dense"][1]["choices"] == {} and {r["choices"] for r in runs["dense"][0]} == {""}
+    # output.calls: every reduction of every iteration, as the totals count them
+    calls = runs["bf16-distopt-spccl calls"]
+    assert calls and {c["collective"] for c in calls} == {"reduce_scatter"}
+    assert all(c["candidate"].endswith("/coo") and c["encoded"] == "0" and float(c["time_ms"]) > 0 for c in calls)
+    for r in rows:
+        mine = [c for c in calls if int(c["iteration"]) == int(r["iteration"])]
+        assert sum(int(c["bytes_sent"]) for c in mine) == r["bytes_sent"]
+        assert len(mine) == sum(int(t.rsplit(":", 1)[1]) for t in r["choices"].split())
+    assert "dense calls" not in runs and "exact calls" not in runs  # only where asked
 
 
 def test_command_line_spawns_ranks_and_writes_the_run(tmp_path):

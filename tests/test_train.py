@@ -241,7 +241,7 @@ def test_training_two_gloo_ranks_dense_and_spccl(tmp_path):
     exact = launch(
         _tiny(tmp_path, "exact", "spccl.prune=false", "spccl.collective.format=pici", "output.plot=false"), "tiny_cpu"
     )
-    pruned = launch(_tiny(tmp_path, "pruned", "spccl.collective.format=coo"), "tiny_cpu")
+    pruned = launch(_tiny(tmp_path, "pruned", "spccl.collective.format=coo", "output.calls=true"), "tiny_cpu")
     # Pruning off: the sparse all-reduce is exact, and with two ranks a + b rounds the same in
     # any order, so the losses, and the reduced gradients' norms, equal dense DDP's bit for bit.
     assert _losses(exact) == _losses(dense)
@@ -258,6 +258,19 @@ def test_training_two_gloo_ranks_dense_and_spccl(tmp_path):
     assert chosen[0] == "" and all(text.split(":")[0].endswith("/coo") for text in chosen[1:])
     assert sum(int(text.rsplit(":", 1)[1]) for text in chosen[2:]) == sum(s_pruned["choices"].values())
     assert all(name.endswith("/pici") for name in json.loads((exact / "summary.json").read_text())["choices"])
+    # output.calls: each SpCCL reduction of each iteration (none in the dense first one), as the
+    # iteration's totals count them; only where asked
+    with open(pruned / "calls.csv", newline="") as f:
+        calls = list(csv.DictReader(f))
+    assert [int(c["iteration"]) for c in calls] == sorted(int(c["iteration"]) for c in calls)
+    assert {int(c["iteration"]) for c in calls} == set(range(1, 6))
+    assert all(c["candidate"] == "direct/coo" and c["encoded"] == "0" and c["trial"] == "0" for c in calls)
+    assert all(float(c["time_ms"]) > 0 and float(c["predicted_ms"]) > 0 for c in calls)
+    assert all(c["candidates_ms"].split()[0].startswith("direct/coo:") for c in calls)  # pinned: the one weighed
+    sent = _column(pruned, "bytes_sent")
+    for step in range(1, 6):
+        assert sum(int(c["bytes_sent"]) for c in calls if int(c["iteration"]) == step) == sent[step]
+    assert not (dense / "calls.csv").exists() and not (exact / "calls.csv").exists()
     assert (s_dense["mode"], s_dense["world_size"], s_dense["summarised_iterations"]) == ("dense", 2, 4)
     assert s_dense["bytes_ratio"] == 1.0 and s_dense["prune_ms"] == 0.0
     assert 0.005 < s_pruned["density"] < 0.05 and s_pruned["bytes_ratio"] < 0.2 and s_pruned["prune_ms"] > 0

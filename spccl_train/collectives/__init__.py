@@ -23,7 +23,7 @@ from .api import (
 from .choice import Candidate, choose
 from .chunking import ChunkLayout, Span
 from .config import CollectiveConfig
-from .context import learned_corrections, measure_links, release_holds
+from .context import learned_corrections, measure_links, release_holds, spans_nodes
 from .cost import CodecCost, CostModel, LinkCost
 from .encoded import EncodedPieces
 from .graphs import cached_graphs, clear_graphs, clearing_graphs
@@ -48,6 +48,7 @@ __all__ = [
     "measure_links",
     "learned_corrections",
     "release_holds",
+    "spans_nodes",
     "clear_graphs",
     "clearing_graphs",
     "cached_graphs",

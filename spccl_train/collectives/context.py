@@ -27,6 +27,7 @@ __all__ = [
     "nodes_code",
     "ranks_per_node",
     "release_holds",
+    "spans_nodes",
     "transport_of",
 ]
 
@@ -61,6 +62,13 @@ def ranks_per_node(config: CollectiveConfig, transport: P2PTransport) -> int | N
                 known[launch] = group_ranks_per_node(transport.global_ranks, launch)
             return known[launch]
     return None
+
+
+def spans_nodes(config: CollectiveConfig, group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` spans nodes as its calls of ``config`` see them (:func:`ranks_per_node`):
+    some hop crosses a node boundary."""
+    transport = transport_of(group)
+    return Topology(transport.world, ranks_per_node(config, transport)).nodes > 1
 
 
 def group_ranks_per_node(global_ranks: Sequence[int], launch_ranks_per_node: int) -> int | None:

@@ -568,6 +568,7 @@ def _loop(cfg, config_name, rank, world, device, data, model, optimizer, state, 
             reduce_s, prune_s, sent, dense_bytes = s.reduce_seconds, s.prune_seconds, s.bytes_sent, s.dense_bytes
             density = s.density if s.elements else 1.0
             deferred, exchanges, choices = s.deferred, s.exchanges, choices_text(s.choices)
+            log.calls(step, s.calls)
         else:
             reduce_s, prune_s, density = dense.seconds(), 0.0, 1.0
             deferred = exchanges = 0

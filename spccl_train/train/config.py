@@ -264,6 +264,10 @@ class OutputConfig:
     """Write ``report.png`` (loss and time breakdown) at the end."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    calls: bool = False
+    """Write ``calls.csv``: every SpCCL reduction of the run as rank 0 saw it (iteration, bucket,
+    the candidate ``auto`` ran, trial or not, whether its input came as Pici payloads, predicted and
+    measured milliseconds, bytes, every candidate's price): what ``auto`` did, bucket by bucket."""
 
 
 @dataclasses.dataclass

@@ -25,6 +25,7 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from ..collectives import CollectiveConfig, clearing_graphs, measure_links
 from ..emulation import check_launch, emulate_nodes
 from ..optim import BurstAdamW
 from ..pruning import PruneConfig
+from ..reducer import CallRecord
 from ..sparse_config import SparseConfig
 from .config import ExperimentConfig, from_dict, to_dict
 from .data import prepare_tokens
@@ -44,6 +46,8 @@ from .report import BREAKDOWN, device_line
 
 __all__ = [
     "BREAKDOWN",
+    "CALL_COLUMNS",
+    "CallsFile",
     "IterationRecord",
     "choices_text",
     "RunLog",
@@ -348,6 +352,7 @@ def sparse_config(cfg: ExperimentConfig, local_world: int) -> SparseConfig:
         capacity_factor=capacity_factor(cfg, local_world),
         prune_to_wire=s.prune_to_wire,
         dense_iterations=s.dense_iterations,
+        record_calls=cfg.output.calls,
     )
 
 
@@ -497,6 +502,7 @@ def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pa
             grad_norm=math.nan if grad_norm is None else grad_norm.item(),
             **{f"{key}_s": value for key, value in parts.items()},
         )
+        log.calls(step, hook.calls)
     log.close()
     if rank != 0:
         return None
@@ -567,9 +573,12 @@ class RunLog:
         self._world = world
         self._loss_sum = torch.zeros((), device=device)
         self._progress = None
+        self._calls = None
         if rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            if cfg.output.calls and cfg.spccl.enabled:
+                self._calls = CallsFile(self.run_dir / "calls.csv")
             if cfg.output.progress:
                 from tqdm.auto import tqdm
 
@@ -594,10 +603,49 @@ class RunLog:
             self._progress.set_postfix(loss=f"{loss_value:.3f}", ms=f"{elapsed * 1e3:.0f}", refresh=False)
             self._progress.update()
 
+    def calls(self, step: int, records: Sequence[CallRecord]) -> None:
+        """Write the iteration's SpCCL reductions to ``calls.csv`` (``output.calls``; rank 0)."""
+        if self._calls is not None:
+            self._calls.write(step, records)
+
     def close(self) -> None:
-        """Close the progress bar."""
+        """Close the progress bar and ``calls.csv``."""
         if self._progress is not None:
             self._progress.close()
+        if self._calls is not None:
+            self._calls.close()
+
+
+CALL_COLUMNS = (
+    "iteration", "bucket", "collective", "elements", "candidate", "trial", "encoded", "predicted_ms", "time_ms",
+    "bytes_sent", "dense_bytes", "exchanges", "candidates_ms",
+)  # fmt: skip
+"""``calls.csv``'s columns: :class:`~spccl_train.reducer.CallRecord`'s, times in milliseconds;
+``candidates_ms``: every candidate weighed and its price, cheapest first (``direct/coo:21.3 ...``)."""
+
+
+class CallsFile:
+    """``calls.csv``, written an iteration at a time (a long run's records are not kept)."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self._file = path.open("w", newline="")
+        self._writer = csv.writer(self._file)
+        self._writer.writerow(CALL_COLUMNS)
+
+    def write(self, step: int, records: Sequence[CallRecord]) -> None:
+        for c in records:
+            prices = " ".join(f"{name}:{1e3 * t:.3f}" for name, t in sorted(c.candidates.items(), key=lambda kv: kv[1]))
+            self._writer.writerow(
+                (
+                    step, c.bucket, c.collective, c.elements, c.candidate, int(c.trial), int(c.encoded),
+                    f"{1e3 * c.predicted_s:.3f}", f"{1e3 * c.seconds:.3f}", c.bytes_sent, c.dense_bytes, c.exchanges,
+                    prices,
+                )
+            )  # fmt: skip
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def device_identity(device: torch.device) -> tuple[str, str, str]:
