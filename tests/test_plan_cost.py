@@ -726,6 +726,12 @@ def test_a_near_tied_candidate_not_yet_tried_at_this_density_is_run_instead():
     assert weigh(summary, cfg, F32, _model(), factors=inside)[0] == best  # no trials asked for
     assert weigh(summary, cfg, F32, _model(), factors=inside, tried=frozenset({other}))[0] == best
     assert weigh(summary, cfg, F32, _model(), factors=outside, tried=frozenset())[0] == best
+    # the standing choice (the candidate the group ran last) is tried at this density however far
+    # it is priced, until it has been
+    got = weigh(summary, cfg, F32, _model(), factors=outside, tried=frozenset(), prefer=other)[0]
+    assert got.name == other and got.trial, (seed, got)
+    assert weigh(summary, cfg, F32, _model(), factors=outside, tried=frozenset({other}), prefer=other)[0] == best
+    assert weigh(summary, cfg, F32, _model(), factors=outside, prefer=other)[0] == best  # no trials asked for
     # the best untried itself: the near one is still tried first (each of them gets its runs)
     assert weigh(summary, cfg, F32, _model(), factors=inside, tried=frozenset({best.name}))[0].name == other
     # native: tried, and left for a trial, as a sparse candidate is
@@ -752,6 +758,11 @@ def test_a_near_tied_candidate_not_yet_tried_at_this_density_is_run_instead():
     far = shaped(1 / (1 + 1.5 * TRIAL_MARGIN))  # native well ahead: nothing near to try
     got = weigh(summary, auto, F32, _model(), factors=far, tried=frozenset())[0]
     assert got.algorithm == "native" and not got.trial, (seed, got)
+    got = weigh(summary, auto, F32, _model(), factors=far, tried=frozenset({b}), prefer=o)[0]
+    assert got.name == o and got.trial, (seed, got)  # a standing sparse choice far behind native: tried
+    wide_native = shaped(1 + 1.5 * TRIAL_MARGIN)  # native far behind b: a standing native call is not tried
+    got = weigh(summary, auto, F32, _model(), factors=wide_native, tried=frozenset({o}), prefer="native/dense")[0]
+    assert got.name == b and not got.trial, (seed, got)
     narrow = shaped(1 / 0.85)  # b beats native (1.18 P) by 15%; o (1.1 P) and native are near b
     got = weigh(summary, auto, F32, _model(), factors=narrow, tried=frozenset())[0]
     assert got.name == o and got.trial, (seed, got)  # the nearer first

@@ -17,10 +17,10 @@ same sparsity profile (every training step, every benchmark repetition) skip the
 picked (:meth:`Weighing.pick`: the corrections, the sticky preference, trials). All inputs are
 equal on every rank and the decision is a pure function of them, so every rank picks alike.
 
-A candidate (native or sparse) predicted within :data:`TRIAL_MARGIN` of the choice that has
-not been run at the call's density octave is run instead, twice, so that the measured model
-observes it (a *trial*, :mod:`.feedback`); the group's corrections say which were run, equally on
-every rank.
+A candidate (native or sparse) predicted within :data:`TRIAL_MARGIN` of the choice, or the sparse
+one the group ran last, that has not been run at the call's density octave is run instead, twice, so
+that the measured model observes it (a *trial*, :mod:`.feedback`); the group's corrections say
+which were run, equally on every rank.
 """
 
 from __future__ import annotations
@@ -142,7 +142,8 @@ def weigh(
     the name of the candidate the group ran last for such a call, which keeps winning unless
     another is predicted more than :data:`STICKY_MARGIN` faster. ``tried``: the candidates run
     often enough at this density (:meth:`.feedback.Corrections.tried`); one predicted within
-    :data:`TRIAL_MARGIN` of the choice and not among them is run instead (``None``: no trials)."""
+    :data:`TRIAL_MARGIN` of the choice, or a sparse ``prefer``, and not among them is run instead
+    (``None``: no trials)."""
     return price(summary, config, dtype, model, exchanges, default_group, rings).pick(
         model, exchanges, factors, rounds, prefer, tried
     )
@@ -341,7 +342,7 @@ def _pick(
             and c[0] not in tried
             and c[0] != best[0]
             and (c[5] or not native_weighed)
-            and c[3] <= best[3] * (1 + TRIAL_MARGIN)
+            and (c[3] <= best[3] * (1 + TRIAL_MARGIN) or (c[0] == prefer and c[1] != "native"))
         ]
         if near:
             best, trial = min(near, key=lambda c: c[3]), True
@@ -392,10 +393,18 @@ either side of the tie:
   1 GiB, was priced from the probe's smaller calls about 1.2x what it took; direct/Pici ran
   instead, 1.15x native's time.
 
+The sparse candidate the group ran last (``prefer``, a standing choice from another density) is
+tried at a new density octave however far it is priced: a trial there can make another candidate the
+choice on its observed figure while the standing one is priced from figures of other densities,
+and then it would be left unseen. 2 H100s over NVLink, 1 GiB fp32 at 99.9% (5d3514a): direct/Pici,
+run at 99%, was priced 3.13 ms from what its kind learned at 90-99%, direct/COO's trial measured
+2.41 ms and became the choice (2.21 ms) past the margin, and ``auto`` ran direct/COO at 1.11x
+direct/Pici's 2.05 ms.
+
 A trial costs at most :data:`~.feedback.TRIAL_RUNS` calls per candidate, density octave, size
 class and element type (one more where it includes its kind's warm-up), each predicted at most
-this fraction slower than the choice. The hierarchical call is neither tried nor left for a trial
-(its steps choose their own)."""
+this fraction slower than the choice, or the standing choice. The hierarchical call is neither
+tried nor left for a trial (its steps choose their own)."""
 
 
 def _gather_modes(setting: str, fmt: Format) -> tuple[str, ...]:
