@@ -222,8 +222,9 @@ def _job_sends_encoded(rank: int, world: int) -> dict[str, bool]:
 
     out = {}
     for fmt in ("auto", "pici", "coo"):
-        for nodes in ("one node", "across nodes"):
-            collective = {"format": fmt, "ranks_per_node": 1 if nodes == "across nodes" else None}
+        for nodes in ("one node", "across nodes", "one node of world ranks"):
+            rpn = {"one node": None, "across nodes": 1, "one node of world ranks": world}[nodes]
+            collective = {"format": fmt, "ranks_per_node": rpn}
             state = SparseHookState(config={"pruning": {"density": 0.01}, "collective": collective})
             bucket = state.bucket(0)
             bucket.last_choice = ("direct", Format.PICI)
@@ -306,7 +307,11 @@ def test_auto_prunes_to_pici_payloads_only_within_one_node(pools):
     # across nodes auto prunes in place whatever the bucket last ran (a Pici payload tilts auto to
     # keep Pici where COO sends half the bytes); within one node it follows the last choice, and a
     # pinned pici always sends payloads
-    got = pools(2).run(_job_sends_encoded)[0]
+    everyone = pools(2).run(_job_sends_encoded)
+    assert all(got == everyone[0] for got in everyone)  # a rank-uniform decision
+    got = {key: value for key, value in everyone[0].items() if "world ranks" not in key}
+    whole = {key.replace(" of world ranks", ""): value for key, value in everyone[0].items() if "world ranks" in key}
+    assert whole == {key: value for key, value in got.items() if "one node" in key}  # ranks_per_node = world
     assert got == {
         "auto, one node": True,
         "auto, one node, after COO": False,

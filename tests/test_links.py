@@ -513,6 +513,10 @@ def test_a_candidate_left_for_refresh_calls_is_tried_again_and_its_fast_call_tak
     assert tried() == {"direct/pici", "direct/coo"}  # the last direct/pici run was REFRESH_CALLS - 1 calls ago
     run("direct/coo", 1.2)
     assert tried() == {"direct/coo"}
+    # ran_at forgets no run: a standing choice far from the winner is tried here once, not every
+    # REFRESH_CALLS calls (choice.TRIAL_MARGIN)
+    assert c.ran_at("all_reduce", nbytes, torch.float32, octave) == {"direct/pici", "direct/coo"}
+    assert c.ran_at("all_reduce", nbytes, torch.float32, octave + 1) == frozenset()
     run("direct/pici", 1.0)  # the trial: fast again
     assert tried() == {"direct/pici", "direct/coo"}
     assert c.factors_for("all_reduce", nbytes, torch.float32, octave)["direct/pici"] == 1.0

@@ -91,7 +91,7 @@ RUNS = {
         True,
         True,
         ["spccl.collective.format=coo", "spccl.pruning.sample_fraction=0.05", "output.calls=true"],
-    ),  # fmt: skip
+    ),
 }
 
 

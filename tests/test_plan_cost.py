@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from spccl_train.collectives import ChunkLayout, CollectiveConfig, CostModel, Thresholds, Topology, choose, hierarchical
 from spccl_train.collectives.choice import (
     NATIVE_MARGIN,
+    TRIAL_MARGIN,
     clear_decisions,
     decide,
     plan_candidate,
@@ -678,6 +679,69 @@ def test_the_group_remembers_what_it_ran_by_collective_size_and_config():
     assert c.last_run("all_reduce", 1 << 30, torch.float32, "coo direct") == "direct/coo"
 
 
+class _Took:
+    """A stopped timer of a given length (the corrections read ``done`` and ``seconds``)."""
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+
+    def done(self) -> bool:
+        return True
+
+    def seconds(self) -> float:
+        return self._seconds
+
+
+def _standing_trials(standing_of) -> dict[int, int]:
+    """Calls of one size class alternating between two densities whose winners differ, weighed as
+    the collectives weigh them (preference, trials, the standing choice from ``standing_of(c,
+    prefer, octave)``), each taking what it was priced: the far trials of the other density's
+    winner, by octave."""
+    from spccl_train.collectives import feedback
+
+    layout = ChunkLayout.aligned(4 * 64 * TILE, 4)
+    # fast COO: direct/Pici wins at 20% (COO 1.7x its price), direct/COO at 0.2% (Pici 2.3x)
+    model = _model(coo=CodecCost(compress=1e11, decompress=1e11, accumulate=1e11, call_s=1e-6))
+    cfg, nbytes = CollectiveConfig(), layout.numel * 4
+    summaries = [CountSummary.of("all_reduce", _table(layout, d), layout, Topology(4)) for d in (0.2, 0.002)]
+    winners = [weigh(s, cfg, F32, model)[0].name for s in summaries]
+    assert winners == ["direct/pici", "direct/coo"], winners  # else nothing stands far behind
+    c, far = feedback.Corrections(), {}
+    for call in range(12 * feedback.REFRESH_CALLS):
+        summary = summaries[call % 2]
+        octave, prefer = summary.octave, c.last_run("all_reduce", nbytes, F32, "auto")
+        tried = c.tried("all_reduce", nbytes, F32, octave)
+        got, predictions = weigh(
+            summary, cfg, F32, model, prefer=prefer, tried=tried, standing=standing_of(c, prefer, octave)
+        )
+        if got.trial and got.predicted_s > (1 + TRIAL_MARGIN) * min(predictions.values()):
+            far[octave] = far.get(octave, 0) + 1
+        c.called(
+            "all_reduce", got.name, nbytes, got.predicted_s, _Took(got.predicted_s), F32, "auto", octave, got.trial
+        )
+        c.learn([c.report()])
+    return far
+
+
+def test_the_standing_choice_is_tried_once_per_density_not_every_refresh():
+    """The collectives' rule (``standing``: the preference where it never ran at the octave) tries
+    the other density's winner there TRIAL_RUNS times (one more for its kind's warm-up) in all;
+    trying it wherever it is not among the recently tried would bring the far trial back every
+    REFRESH_CALLS calls."""
+    from spccl_train.collectives.feedback import TRIAL_RUNS
+
+    def collectives_rule(c, prefer, octave):
+        return prefer if prefer not in c.ran_at("all_reduce", 4 * 4 * 64 * TILE, F32, octave) else None
+
+    def refreshed(c, prefer, octave):
+        return prefer if prefer not in c.tried("all_reduce", 4 * 4 * 64 * TILE, F32, octave) else None
+
+    once = _standing_trials(collectives_rule)
+    assert once and all(n <= TRIAL_RUNS + 1 for n in once.values()), once
+    again = _standing_trials(refreshed)
+    assert sum(again.values()) > sum(once.values()) + 2, (once, again)
+
+
 def test_where_calls_hold_native_the_native_call_is_priced_without_an_exchange():
     """``check_calls="first"`` (auto holds native choices): native is priced with no exchange and
     none of the exchange's further rounds, every sparse candidate with both; checking every call,
@@ -726,12 +790,14 @@ def test_a_near_tied_candidate_not_yet_tried_at_this_density_is_run_instead():
     assert weigh(summary, cfg, F32, _model(), factors=inside)[0] == best  # no trials asked for
     assert weigh(summary, cfg, F32, _model(), factors=inside, tried=frozenset({other}))[0] == best
     assert weigh(summary, cfg, F32, _model(), factors=outside, tried=frozenset())[0] == best
-    # the standing choice (the candidate the group ran last) is tried at this density however far
-    # it is priced, until it has been
-    got = weigh(summary, cfg, F32, _model(), factors=outside, tried=frozenset(), prefer=other)[0]
+    # the standing choice (the candidate the group ran last, never run at this density) is tried
+    # however far it is priced, until it has been; as a preference alone it is not
+    got = weigh(summary, cfg, F32, _model(), factors=outside, tried=frozenset(), prefer=other, standing=other)[0]
     assert got.name == other and got.trial, (seed, got)
-    assert weigh(summary, cfg, F32, _model(), factors=outside, tried=frozenset({other}), prefer=other)[0] == best
-    assert weigh(summary, cfg, F32, _model(), factors=outside, prefer=other)[0] == best  # no trials asked for
+    assert weigh(summary, cfg, F32, _model(), factors=outside, tried=frozenset(), prefer=other)[0] == best
+    got = weigh(summary, cfg, F32, _model(), factors=outside, tried=frozenset({other}), prefer=other, standing=other)
+    assert got[0] == best
+    assert weigh(summary, cfg, F32, _model(), factors=outside, prefer=other, standing=other)[0] == best  # no trials
     # the best untried itself: the near one is still tried first (each of them gets its runs)
     assert weigh(summary, cfg, F32, _model(), factors=inside, tried=frozenset({best.name}))[0].name == other
     # native: tried, and left for a trial, as a sparse candidate is
@@ -758,10 +824,11 @@ def test_a_near_tied_candidate_not_yet_tried_at_this_density_is_run_instead():
     far = shaped(1 / (1 + 1.5 * TRIAL_MARGIN))  # native well ahead: nothing near to try
     got = weigh(summary, auto, F32, _model(), factors=far, tried=frozenset())[0]
     assert got.algorithm == "native" and not got.trial, (seed, got)
-    got = weigh(summary, auto, F32, _model(), factors=far, tried=frozenset({b}), prefer=o)[0]
+    got = weigh(summary, auto, F32, _model(), factors=far, tried=frozenset({b}), prefer=o, standing=o)[0]
     assert got.name == o and got.trial, (seed, got)  # a standing sparse choice far behind native: tried
     wide_native = shaped(1 + 1.5 * TRIAL_MARGIN)  # native far behind b: a standing native call is not tried
-    got = weigh(summary, auto, F32, _model(), factors=wide_native, tried=frozenset({o}), prefer="native/dense")[0]
+    native = "native/dense"
+    got = weigh(summary, auto, F32, _model(), factors=wide_native, tried=frozenset({o}), standing=native)[0]
     assert got.name == b and not got.trial, (seed, got)
     narrow = shaped(1 / 0.85)  # b beats native (1.18 P) by 15%; o (1.1 P) and native are near b
     got = weigh(summary, auto, F32, _model(), factors=narrow, tried=frozenset())[0]

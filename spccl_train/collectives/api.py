@@ -496,16 +496,18 @@ def _run(
                 collective, choice.name, nbytes, uncorrected, timer, inp.dtype, fingerprint, octave, choice.trial
             )
 
-    prefer, tried = None, None
+    prefer, tried, standing = None, None, None
     if corrections is not None:
         prefer = corrections.last_run(collective, nbytes, inp.dtype, fingerprint)
         if octave is not None:
             tried = corrections.tried(collective, nbytes, inp.dtype, octave)
+            if prefer not in corrections.ran_at(collective, nbytes, inp.dtype, octave):
+                standing = prefer  # tried here before it is left (:data:`~.choice.TRIAL_MARGIN`)
     entry = None
     if summary is not None:  # the scalable exchange: decided and planned from its counts every call
         choice, weighed, plan, bound_gather = _decide_and_plan(
             collective, config, key, counts, summary, layout, inp.dtype, topology, r, model, factors, default_group,
-            rounds, prefer, tried,
+            rounds, prefer, tried, standing,
         )  # fmt: skip
     else:  # priced and planned once per bounds, picked every call
         store = state_of(transport).plans if bounds is None else None
@@ -514,7 +516,7 @@ def _run(
         )
         choice, weighed, plan, bound_gather = _pick_and_plan(
             entry, int(bounds is None), collective, config, layout, inp.dtype, topology, r, model, factors, rounds,
-            prefer, tried,
+            prefer, tried, standing,
         )  # fmt: skip
     if bounds is None and config.holds_native():  # (a dense config's calls go native before the holds matter)
         # a trial holds nothing: its runs come on the next exchanged calls, two per candidate
@@ -626,15 +628,17 @@ def _decide_and_plan(
     rounds: int,
     prefer: str | None = None,
     tried: frozenset[str] | None = None,
+    standing: str | None = None,
 ) -> tuple[Candidate, dict[str, float], Plan | None, Plan | None]:
     """``(choice, predictions, plan, gather plan)`` of a call that exchanged its counts by the
     scalable protocol: :func:`~.choice.decide` from the counts' ``summary`` (``prefer``: the
     candidate the group ran last for such a call, :data:`~.choice.STICKY_MARGIN`; ``tried``:
-    :meth:`.feedback.Corrections.tried`, or ``None``), then :func:`_plan_choice` (a ring from the
+    :meth:`.feedback.Corrections.tried`, or ``None``; ``standing``: ``prefer`` where it never ran
+    at this density, :data:`~.choice.TRIAL_MARGIN`), then :func:`_plan_choice` (a ring from the
     whole table it gathered)."""
     rings = counts.table is not None
     choice, weighed = decide(
-        config, key, summary, dtype, model, 1, factors, default_group, max(rounds, 1), rings, prefer, tried
+        config, key, summary, dtype, model, 1, factors, default_group, max(rounds, 1), rings, prefer, tried, standing
     )
     return choice, weighed, *_plan_choice(choice, collective, config, counts, layout, dtype, topology, rank)
 
@@ -695,10 +699,11 @@ def _pick_and_plan(
     rounds: int,
     prefer: str | None,
     tried: frozenset[str] | None,
+    standing: str | None = None,
 ) -> tuple[Candidate, dict[str, float], Plan | None, Plan | None]:
     """``(choice, predictions, plan, gather plan)`` from priced candidates: the pick (corrections,
     preference, trials) every call, each choice planned once from the entry's counts."""
-    choice, weighed = entry.weighing.pick(model, exchanges, factors, max(rounds, 1), prefer, tried)
+    choice, weighed = entry.weighing.pick(model, exchanges, factors, max(rounds, 1), prefer, tried, standing)
     which = (choice.algorithm, choice.format, choice.gather_counts)
     plans = entry.plans.get(which)
     if plans is None:

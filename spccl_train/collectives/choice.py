@@ -17,9 +17,9 @@ same sparsity profile (every training step, every benchmark repetition) skip the
 picked (:meth:`Weighing.pick`: the corrections, the sticky preference, trials). All inputs are
 equal on every rank and the decision is a pure function of them, so every rank picks alike.
 
-A candidate (native or sparse) predicted within :data:`TRIAL_MARGIN` of the choice, or the sparse
-one the group ran last, that has not been run at the call's density octave is run instead, twice, so
-that the measured model observes it (a *trial*, :mod:`.feedback`); the group's corrections say
+A candidate (native or sparse) predicted within :data:`TRIAL_MARGIN` of the choice that has not
+been run at the call's density octave, or the sparse one the group ran last where it never ran
+there, is run instead, twice, so that the measured model observes it (a *trial*, :mod:`.feedback`); the group's corrections say
 which were run, equally on every rank.
 """
 
@@ -137,15 +137,17 @@ def weigh(
     rings: bool = True,
     prefer: str | None = None,
     tried: frozenset[str] | None = None,
+    standing: str | None = None,
 ) -> tuple[Candidate, dict[str, float]]:
     """:func:`choose` from a summary: O(world x channels) array work per candidate. ``prefer``:
     the name of the candidate the group ran last for such a call, which keeps winning unless
     another is predicted more than :data:`STICKY_MARGIN` faster. ``tried``: the candidates run
     often enough at this density (:meth:`.feedback.Corrections.tried`); one predicted within
-    :data:`TRIAL_MARGIN` of the choice, or a sparse ``prefer``, and not among them is run instead
-    (``None``: no trials)."""
+    :data:`TRIAL_MARGIN` of the choice and not among them is run instead (``None``: no trials).
+    ``standing``: a sparse candidate to try so however far it is priced (``prefer`` where it never
+    ran at this density, :data:`TRIAL_MARGIN`)."""
     return price(summary, config, dtype, model, exchanges, default_group, rings).pick(
-        model, exchanges, factors, rounds, prefer, tried
+        model, exchanges, factors, rounds, prefer, tried, standing
     )
 
 
@@ -171,11 +173,13 @@ class Weighing:
         rounds: int = 1,
         prefer: str | None = None,
         tried: frozenset[str] | None = None,
+        standing: str | None = None,
     ) -> tuple[Candidate, dict[str, float]]:
         """The choice and every prediction by name (see :func:`weigh`): O(candidates)."""
         return _pick(
-            self.candidates, self.native_weighed, model, exchanges, factors, rounds, prefer, tried, self.native_held
-        )
+            self.candidates, self.native_weighed, model, exchanges, factors, rounds, prefer, tried, standing,
+            self.native_held,
+        )  # fmt: skip
 
 
 def price(
@@ -230,7 +234,19 @@ def weigh_batch(
     held = config.holds_native()
     for i in range(batch):
         at = [(a, f, m, Prediction(float(p.seconds[i]), bool(p.sparse[i]))) for a, f, m, p in priced]
-        out.append(_pick(_candidates(native, at), native is not None, model, exchanges, None, rounds, None, None, held))
+        out.append(
+            _pick(
+                _candidates(native, at),
+                native is not None,
+                model,
+                exchanges,
+                None,
+                rounds,
+                None,
+                None,
+                native_held=held,
+            )
+        )
     return out
 
 
@@ -300,6 +316,7 @@ def _pick(
     rounds: int,
     prefer: str | None,
     tried: frozenset[str] | None,
+    standing: str | None = None,
     native_held: bool = False,
 ) -> tuple[Candidate, dict[str, float]]:
     """The cheapest candidate after the extra exchange rounds (``native_held``: none for the native
@@ -342,7 +359,7 @@ def _pick(
             and c[0] not in tried
             and c[0] != best[0]
             and (c[5] or not native_weighed)
-            and (c[3] <= best[3] * (1 + TRIAL_MARGIN) or (c[0] == prefer and c[1] != "native"))
+            and (c[3] <= best[3] * (1 + TRIAL_MARGIN) or (c[0] == standing and c[1] != "native"))
         ]
         if near:
             best, trial = min(near, key=lambda c: c[3]), True
@@ -394,9 +411,11 @@ either side of the tie:
   instead, 1.15x native's time.
 
 The sparse candidate the group ran last (``prefer``, a standing choice from another density) is
-tried at a new density octave however far it is priced: a trial there can make another candidate the
-choice on its observed figure while the standing one is priced from figures of other densities,
-and then it would be left unseen. 2 H100s over NVLink, 1 GiB fp32 at 99.9% (5d3514a): direct/Pici,
+tried at a density octave where it has never run :data:`~.feedback.TRIAL_RUNS` times, however far
+it is priced (``standing``: :meth:`.feedback.Corrections.ran_at`, which, unlike ``tried``, forgets
+no run, so the trial does not come back every :data:`~.feedback.REFRESH_CALLS` calls): a trial
+there can make another candidate the choice on its observed figure while the standing one is
+priced from figures of other densities, and then it would be left unseen. 2 H100s over NVLink, 1 GiB fp32 at 99.9% (5d3514a): direct/Pici,
 run at 99%, was priced 3.13 ms from what its kind learned at 90-99%, direct/COO's trial measured
 2.41 ms and became the choice (2.21 ms) past the margin, and ``auto`` ran direct/COO at 1.11x
 direct/Pici's 2.05 ms.
@@ -433,12 +452,13 @@ def decide(
     rings: bool = True,
     prefer: str | None = None,
     tried: frozenset[str] | None = None,
+    standing: str | None = None,
 ) -> tuple[Candidate, dict[str, float]]:
     """:func:`weigh` on the summary rounded to 1/16 of an octave of density
     (:meth:`~.summary.CountSummary.rounded`), its pricing memoised (:func:`priced`): calls with the
     same sparsity profile (every training step, every benchmark repetition) only pick."""
     weighing = priced(config, fingerprint, summary, dtype, model, exchanges, default_group, rings)
-    return weighing.pick(model, exchanges, factors, rounds, prefer, tried)
+    return weighing.pick(model, exchanges, factors, rounds, prefer, tried, standing)
 
 
 def priced(

@@ -346,6 +346,14 @@ class Corrections:
             name for name, n in here.count.items() if n >= TRIAL_RUNS and here.calls - here.last[name] < REFRESH_CALLS
         )
 
+    def ran_at(self, collective: str, nbytes: int, dtype: torch.dtype | None, octave: int) -> frozenset[str]:
+        """The candidates ever run :data:`TRIAL_RUNS` times or more for calls of this collective,
+        size class and element type at density ``octave`` (:meth:`tried` without its refresh)."""
+        here = self.runs.get((collective, size_class(nbytes), _type_name(dtype), octave))
+        if here is None:
+            return frozenset()
+        return frozenset(name for name, n in here.count.items() if n >= TRIAL_RUNS)
+
     def last_run(self, collective: str, nbytes: int, dtype: torch.dtype | None = None, scope: str = "") -> str | None:
         """The candidate the group ran last for a call of this collective, size class, element type
         and config ``scope``."""

@@ -486,6 +486,7 @@ def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pa
             [(since(called), since(returned)) for called, returned in timed.spans],
             hook.prune_seconds if waits_for_pruning else 0.0,
         )
+        log.calls(step, hook.calls)  # first: record raises on a non-finite loss
         log.record(
             step,
             elapsed,
@@ -502,7 +503,6 @@ def _train(cfg, config_name, rank, world, local_rank, local_world, device) -> pa
             grad_norm=math.nan if grad_norm is None else grad_norm.item(),
             **{f"{key}_s": value for key, value in parts.items()},
         )
-        log.calls(step, hook.calls)
     log.close()
     if rank != 0:
         return None
@@ -621,7 +621,7 @@ CALL_COLUMNS = (
     "bytes_sent", "dense_bytes", "exchanges", "candidates_ms",
 )  # fmt: skip
 """``calls.csv``'s columns: :class:`~spccl_train.reducer.CallRecord`'s, times in milliseconds;
-``candidates_ms``: every candidate weighed and its price, cheapest first (``direct/coo:21.3 ...``)."""
+``candidates_ms``: every candidate weighed and its price, cheapest first (``direct/coo:21.300 ...``)."""
 
 
 class CallsFile:
@@ -633,6 +633,7 @@ class CallsFile:
         self._writer.writerow(CALL_COLUMNS)
 
     def write(self, step: int, records: Sequence[CallRecord]) -> None:
+        """One row per record of iteration ``step``, flushed (a run cut short keeps its rows)."""
         for c in records:
             prices = " ".join(f"{name}:{1e3 * t:.3f}" for name, t in sorted(c.candidates.items(), key=lambda kv: kv[1]))
             self._writer.writerow(
@@ -645,6 +646,7 @@ class CallsFile:
         self._file.flush()
 
     def close(self) -> None:
+        """Close the file."""
         self._file.close()
 
 
