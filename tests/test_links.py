@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _pool import pool_factory
+from _stopped import Stopped
 
 import spccl_train
 from spccl_train.collectives import CollectiveConfig, Topology, feedback, last_stats, links
@@ -266,19 +267,6 @@ def test_measure_links_is_what_the_collectives_use(pools, tmp_path):
 # --------------------------------------------------------------------------- the update rule
 
 
-class _Done:
-    """A stopped timer of a given length."""
-
-    def __init__(self, seconds: float) -> None:
-        self._seconds = seconds
-
-    def done(self) -> bool:
-        return True
-
-    def seconds(self) -> float:
-        return self._seconds
-
-
 def test_a_far_miss_moves_the_factor_halfway_and_a_near_one_does_not():
     import random
 
@@ -290,7 +278,7 @@ def test_a_far_miss_moves_the_factor_halfway_and_a_near_one_does_not():
     nbytes = rng.choice([64, 256, 1024]) << 20
 
     def observe(measured_s: float, times: list[int] | None = None) -> bool:
-        c.called("all_reduce", "ring/pici", nbytes, predicted, _Done(measured_s))
+        c.called("all_reduce", "ring/pici", nbytes, predicted, Stopped(measured_s))
         return c.learn(times if times is not None else [c.report(), round(measured_s * 1e9 * 0.5)])
 
     assert not observe(predicted * error)  # the first observation of a kind is warm-up
@@ -327,7 +315,7 @@ def test_one_far_call_moves_nothing_and_two_in_a_row_do():
     spike = rng.uniform(1.6, 20.0)
 
     def observe(c: feedback.Corrections, ratio: float) -> bool:
-        c.called("all_reduce", "direct/coo", nbytes, predicted, _Done(predicted * ratio), torch.float32)
+        c.called("all_reduce", "direct/coo", nbytes, predicted, Stopped(predicted * ratio), torch.float32)
         return c.learn([c.report()])
 
     # the first observation after the warm-up has no previous one and is learned from alone (the
@@ -359,7 +347,7 @@ def test_unobserved_sparse_candidates_take_a_share_of_what_the_observed_ones_lea
     learned = {}
     for name, error in errors.items():
         for _ in range(12):  # the first is warm-up; then halfway each time until within FAR
-            c.called("all_reduce", name, nbytes, 0.01, _Done(0.01 * error))
+            c.called("all_reduce", name, nbytes, 0.01, Stopped(0.01 * error))
             c.learn([c.report()])
         learned[name] = c.factors_for("all_reduce", nbytes)[name]
         assert abs(math.log(error / learned[name])) <= math.log(feedback.FAR)
@@ -376,14 +364,14 @@ def test_unobserved_sparse_candidates_take_a_share_of_what_the_observed_ones_lea
     # the native call neither gives nor takes the share
     d = feedback.Corrections()
     for _ in range(6):
-        d.called("all_reduce", "native/dense", nbytes, 0.01, _Done(0.05))
+        d.called("all_reduce", "native/dense", nbytes, 0.01, Stopped(0.05))
         d.learn([d.report()])
     assert feedback.UNOBSERVED not in d.factors_for("all_reduce", nbytes)
     assert feedback.factor_of(d.factors_for("all_reduce", nbytes), "ring/pici") == 1.0
     # a kind observed for the first time starts learning from the share it was weighed with
     share = factors[feedback.UNOBSERVED]
     for _ in range(2):  # warm-up, then an observation at exactly its weighed prediction
-        c.called("all_reduce", "direct/coo", nbytes, 0.01, _Done(0.01 * share))
+        c.called("all_reduce", "direct/coo", nbytes, 0.01, Stopped(0.01 * share))
         c.learn([c.report()])
     assert c.factors_for("all_reduce", nbytes)["direct/coo"] == pytest.approx(share, rel=1e-6)
 
@@ -391,25 +379,25 @@ def test_unobserved_sparse_candidates_take_a_share_of_what_the_observed_ones_lea
 def test_runs_count_by_density_octave_and_a_trial_is_no_preference():
     c = feedback.Corrections()
     nbytes = 256 << 20
-    c.called("all_reduce", "direct/coo", nbytes, 0.01, _Done(0.01), torch.float32, "auto", trial=True)  # warm-up
+    c.called("all_reduce", "direct/coo", nbytes, 0.01, Stopped(0.01), torch.float32, "auto", trial=True)  # warm-up
     c.learn([c.report()])
     for octave in (-7, -7, -10):
-        c.called("all_reduce", "direct/coo", nbytes, 0.01, _Done(0.01), torch.float32, "auto", octave, trial=True)
+        c.called("all_reduce", "direct/coo", nbytes, 0.01, Stopped(0.01), torch.float32, "auto", octave, trial=True)
         c.learn([c.report()])
     assert c.tried("all_reduce", nbytes, torch.float32, -7) == {"direct/coo"}  # TRIAL_RUNS of them
     assert c.tried("all_reduce", nbytes, torch.float32, -10) == frozenset()  # one run
     assert c.tried("all_reduce", nbytes * 4, torch.float32, -7) == frozenset()  # another size class
     assert c.tried("all_reduce", nbytes, torch.bfloat16, -7) == frozenset()
     assert c.last_run("all_reduce", nbytes, torch.float32, "auto") is None  # trials are not preferred
-    c.called("all_reduce", "direct/pici", nbytes, 0.01, _Done(0.01), torch.float32, "auto", -10)
+    c.called("all_reduce", "direct/pici", nbytes, 0.01, Stopped(0.01), torch.float32, "auto", -10)
     assert c.last_run("all_reduce", nbytes, torch.float32, "auto") == "direct/pici"
     # a run counts when it is made, observed or not (a rank's -1: nothing learned)
     c.learn([c.report(), -1])
-    c.called("all_reduce", "direct/pici", nbytes, 0.01, _Done(0.01), torch.float32, "auto", -10)
+    c.called("all_reduce", "direct/pici", nbytes, 0.01, Stopped(0.01), torch.float32, "auto", -10)
     assert c.tried("all_reduce", nbytes, torch.float32, -10) == {"direct/pici"}
     # calls that weighed nothing (no octave) are not counted
-    c.called("all_reduce", "ring/pici", nbytes, 0.01, _Done(0.01), torch.float32, "auto")
-    c.called("all_reduce", "ring/pici", nbytes, 0.01, _Done(0.01), torch.float32, "auto")
+    c.called("all_reduce", "ring/pici", nbytes, 0.01, Stopped(0.01), torch.float32, "auto")
+    c.called("all_reduce", "ring/pici", nbytes, 0.01, Stopped(0.01), torch.float32, "auto")
     assert "ring/pici" not in c.tried("all_reduce", nbytes, torch.float32, -10)
 
 
@@ -421,7 +409,7 @@ def test_a_kinds_warm_up_is_no_run_of_a_trial():
     nbytes = 64 << 20
 
     def run(candidate, observed=True):
-        c.called("all_reduce", candidate, nbytes, 0.01, _Done(0.01), torch.float32, "auto", -7, trial=True)
+        c.called("all_reduce", candidate, nbytes, 0.01, Stopped(0.01), torch.float32, "auto", -7, trial=True)
         c.learn([c.report() if observed else -1])
         return "tried" if candidate in c.tried("all_reduce", nbytes, torch.float32, -7) else "not yet"
 
@@ -430,7 +418,7 @@ def test_a_kinds_warm_up_is_no_run_of_a_trial():
     assert [run("direct/pici"), run("direct/pici", observed=False)] == ["not yet", "not yet"]
     assert run("direct/pici") == "tried"  # at most TRIAL_RUNS + 1 runs, observed or not
     # a kind warmed up elsewhere (another octave) is tried in TRIAL_RUNS runs here
-    c.called("all_reduce", "ring/pici", nbytes, 0.01, _Done(0.01), torch.float32, "auto", -3)
+    c.called("all_reduce", "ring/pici", nbytes, 0.01, Stopped(0.01), torch.float32, "auto", -3)
     c.learn([c.report()])
     assert [run("ring/pici") for _ in range(2)] == ["not yet", "tried"]
 
@@ -446,7 +434,7 @@ def test_at_an_octave_a_kind_is_weighed_by_what_it_took_there():
     nbytes = 64 << 20
 
     def observe(ratio: float, octave: int | None) -> None:
-        c.called("all_reduce", "direct/coo", nbytes, 0.01, _Done(0.01 * ratio), torch.float32, "auto", octave)
+        c.called("all_reduce", "direct/coo", nbytes, 0.01, Stopped(0.01 * ratio), torch.float32, "auto", octave)
         c.learn([c.report()])
 
     def weighed(ratios: list[float]) -> float:  # as learn sees them (whole nanoseconds), then rounded
@@ -478,7 +466,7 @@ def test_stalled_calls_raise_a_figure_only_three_in_a_row():
     nbytes = 256 << 20
 
     def observe(ratio: float) -> float:
-        c.called("all_reduce", "direct/pici", nbytes, 0.01, _Done(0.01 * ratio), torch.float32, "auto", -3)
+        c.called("all_reduce", "direct/pici", nbytes, 0.01, Stopped(0.01 * ratio), torch.float32, "auto", -3)
         c.learn([c.report()])
         return c.factors_for("all_reduce", nbytes, torch.float32, -3).get("direct/pici", 1.0)
 
@@ -496,7 +484,7 @@ def test_a_candidate_left_for_refresh_calls_is_tried_again_and_its_fast_call_tak
     nbytes, octave = 1 << 30, -10
 
     def run(candidate: str, ratio: float = 1.0) -> None:
-        c.called("all_reduce", candidate, nbytes, 0.01, _Done(0.01 * ratio), torch.float32, "auto", octave)
+        c.called("all_reduce", candidate, nbytes, 0.01, Stopped(0.01 * ratio), torch.float32, "auto", octave)
         c.learn([c.report()])
 
     def tried() -> frozenset[str]:
@@ -536,7 +524,7 @@ def test_a_calls_factors_come_from_its_own_group_of_kinds():
     for _ in range(400):
         col, nbytes, dt = rng.choice(shapes)
         octave = rng.choice([None, -3, -7])
-        c.called(col, rng.choice(names), nbytes, 0.01, _Done(0.01 * rng.uniform(0.3, 3.0)), dt, "auto", octave)
+        c.called(col, rng.choice(names), nbytes, 0.01, Stopped(0.01 * rng.uniform(0.3, 3.0)), dt, "auto", octave)
         c.learn([c.report()])
 
     def brute_factors(col, nbytes, dt, octave):  # every kind seen, filtered
@@ -562,7 +550,7 @@ def test_a_calls_factors_come_from_its_own_group_of_kinds():
 def test_the_slowest_rank_is_the_calls_time():
     c = feedback.Corrections()
     for times in ([1, 1], [4_000_000_000, 1]):
-        c.called("all_gather", "direct/coo", 1 << 20, 1.0, _Done(1.0))
+        c.called("all_gather", "direct/coo", 1 << 20, 1.0, Stopped(1.0))
         c.learn(times)
     assert c.factors_for("all_gather", 1 << 20)["direct/coo"] == pytest.approx(2.0)  # halfway to 4 s / 1 s
 
@@ -727,16 +715,16 @@ def test_element_types_learn_apart():
     c = feedback.Corrections()
     nbytes = 256 << 20
     for _ in range(3):  # fp32 calls run 4x their prediction
-        c.called("all_reduce", "direct/pici", nbytes, 0.01, _Done(0.04), torch.float32)
+        c.called("all_reduce", "direct/pici", nbytes, 0.01, Stopped(0.04), torch.float32)
         c.learn([c.report()])
     fp32 = c.factors_for("all_reduce", nbytes, torch.float32)
     assert fp32["direct/pici"] > feedback.FAR and feedback.UNOBSERVED in fp32
     assert c.factors_for("all_reduce", nbytes, torch.bfloat16) == {}
     assert c.last_run("all_reduce", nbytes, torch.float32) == "direct/pici"
     assert c.last_run("all_reduce", nbytes, torch.bfloat16) is None
-    c.called("all_reduce", "ring/coo", nbytes, 0.01, _Done(0.01), torch.bfloat16)
+    c.called("all_reduce", "ring/coo", nbytes, 0.01, Stopped(0.01), torch.bfloat16)
     c.learn([c.report()])  # a bf16 kind's warm-up starts from the bf16 share (none), not fp32's
-    c.called("all_reduce", "ring/coo", nbytes, 0.01, _Done(0.01), torch.bfloat16)
+    c.called("all_reduce", "ring/coo", nbytes, 0.01, Stopped(0.01), torch.bfloat16)
     c.learn([c.report()])
     assert c.factors_for("all_reduce", nbytes, torch.bfloat16) == {"ring/coo": 1.0, feedback.UNOBSERVED: 1.0}
     assert "float32" in c.describe() and "bfloat16" not in c.describe()

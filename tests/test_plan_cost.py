@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from _stopped import Stopped
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -679,19 +680,6 @@ def test_the_group_remembers_what_it_ran_by_collective_size_and_config():
     assert c.last_run("all_reduce", 1 << 30, torch.float32, "coo direct") == "direct/coo"
 
 
-class _Took:
-    """A stopped timer of a given length (the corrections read ``done`` and ``seconds``)."""
-
-    def __init__(self, seconds: float) -> None:
-        self._seconds = seconds
-
-    def done(self) -> bool:
-        return True
-
-    def seconds(self) -> float:
-        return self._seconds
-
-
 def _standing_trials(standing_of) -> dict[int, int]:
     """Calls of one size class alternating between two densities whose winners differ, weighed as
     the collectives weigh them (preference, trials, the standing choice from ``standing_of(c,
@@ -717,7 +705,7 @@ def _standing_trials(standing_of) -> dict[int, int]:
         if got.trial and got.predicted_s > (1 + TRIAL_MARGIN) * min(predictions.values()):
             far[octave] = far.get(octave, 0) + 1
         c.called(
-            "all_reduce", got.name, nbytes, got.predicted_s, _Took(got.predicted_s), F32, "auto", octave, got.trial
+            "all_reduce", got.name, nbytes, got.predicted_s, Stopped(got.predicted_s), F32, "auto", octave, got.trial
         )
         c.learn([c.report()])
     return far
