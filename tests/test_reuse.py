@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import spccl_train
-from spccl_train.collectives import CollectiveConfig, last_stats, reuse
+from spccl_train.collectives import ChunkLayout, CollectiveConfig, last_stats, reuse
 from spccl_train.collectives.exchange import Counts
 
 SEED = int(os.environ.get("SPCCL_TEST_SEED", random.SystemRandom().randrange(2**31)))
@@ -54,15 +54,28 @@ def test_a_store_keeps_the_last_entry_per_shape_and_starts_over_when_full():
     assert store.get("a", table) is None and store.get("one more", table) is entry
 
 
+def _fresh(n: int, density: float, layout: ChunkLayout, gen: torch.Generator) -> torch.Tensor:
+    """Fresh positions and values, ``round(density * size)`` nonzeros in every piece of ``layout``:
+    counts of independent nonzeros vary by about their square root, and pieces of a hundred
+    nonzeros (these) then leave their bounds by chance in about 1% of seeds (:data:`reuse.LOOSE`),
+    which is no property of the reuse to test."""
+    x = torch.zeros(n)
+    for piece in (p for chunk in layout.pieces for p in chunk):
+        k = round(density * piece.numel)
+        x[piece.start + torch.randperm(piece.numel, generator=gen)[:k]] = torch.randn(k, generator=gen)
+    return x
+
+
 def _job_reuse(rank, world, seed):
     """All-reduces of fresh data at one density reuse the first call's bounds; a denser call, then
     a much sparser one, plan anew. Each call is exact; the bounds are returned for the ranks to compare."""
     cfg = CollectiveConfig(format="pici", algorithm="direct")
     n = world * 3 * 4096 + 77
+    layout = ChunkLayout.of("all_reduce", n, world, cfg.channels)
     out = []
     for call, density in enumerate([0.05, 0.05, 0.05, 0.2, 0.01, 0.01]):
         gen = torch.Generator().manual_seed(seed * 1000 + call)
-        xs = [torch.randn(n, generator=gen) * (torch.rand(n, generator=gen) < density) for _ in range(world)]
+        xs = [_fresh(n, density, layout, gen) for _ in range(world)]
         x = xs[rank].clone()
         spccl_train.all_reduce(x, config=cfg)
         ref = sum(xs[1:], xs[0].clone())  # (the sum's order differs: float32 rounding apart)
@@ -102,11 +115,12 @@ def _job_two_groups(rank, world, seed):
         return []
     cfg = CollectiveConfig(format="pici", algorithm="direct", cost_model="default")  # one model: alike calls
     n = 2 * 3 * 4096
+    layout = ChunkLayout.of("all_reduce", n, 2, cfg.channels)
     out = []
     for call in range(6):
         density = 0.05 if call % 2 == 0 else 0.25
         gen = torch.Generator().manual_seed(seed * 1000 + call)
-        xs = [torch.randn(n, generator=gen) * (torch.rand(n, generator=gen) < density) for _ in range(2)]
+        xs = [_fresh(n, density, layout, gen) for _ in range(2)]
         x = xs[rank].clone()
         spccl_train.all_reduce(x, groups[call % 2], config=cfg)
         out.append(last_stats().planned_from.tobytes())

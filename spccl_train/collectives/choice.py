@@ -19,8 +19,8 @@ equal on every rank and the decision is a pure function of them, so every rank p
 
 A candidate (native or sparse) predicted within :data:`TRIAL_MARGIN` of the choice that has not
 been run at the call's density octave, or the sparse one the group ran last where it never ran
-there, is run instead, twice, so that the measured model observes it (a *trial*, :mod:`.feedback`); the group's corrections say
-which were run, equally on every rank.
+there, is run instead, twice, so that the measured model observes it (a *trial*,
+:mod:`.feedback`); the group's corrections say which were run, equally on every rank.
 """
 
 from __future__ import annotations
@@ -415,10 +415,12 @@ tried at a density octave where it has never run :data:`~.feedback.TRIAL_RUNS` t
 it is priced (``standing``: :meth:`.feedback.Corrections.ran_at`, which, unlike ``tried``, forgets
 no run, so the trial does not come back every :data:`~.feedback.REFRESH_CALLS` calls): a trial
 there can make another candidate the choice on its observed figure while the standing one is
-priced from figures of other densities, and then it would be left unseen. 2 H100s over NVLink, 1 GiB fp32 at 99.9% (5d3514a): direct/Pici,
-run at 99%, was priced 3.13 ms from what its kind learned at 90-99%, direct/COO's trial measured
-2.41 ms and became the choice (2.21 ms) past the margin, and ``auto`` ran direct/COO at 1.11x
-direct/Pici's 2.05 ms.
+priced from figures of other densities, and then it would be left unseen. 2 H100s over NVLink,
+1 GiB fp32 at 99.9% (5d3514a): direct/Pici, run at 99%, was priced 3.13 ms from what its kind
+learned at 90-99%, direct/COO's trial measured 2.41 ms and became the choice (2.21 ms) past the
+margin, and ``auto`` ran direct/COO at 1.11x direct/Pici's 2.05 ms. (At 92a1698 that point ran
+direct/Pici from its first call, priced cheapest there; no measured call has fired this rule yet:
+``bench/results/2026-11-27_twentyfourth/``.)
 
 A trial costs at most :data:`~.feedback.TRIAL_RUNS` calls per candidate, density octave, size
 class and element type (one more where it includes its kind's warm-up), each predicted at most
