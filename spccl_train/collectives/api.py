@@ -501,7 +501,7 @@ def _run(
         prefer = corrections.last_run(collective, nbytes, inp.dtype, fingerprint)
         if octave is not None:
             tried = corrections.tried(collective, nbytes, inp.dtype, octave)
-            if prefer not in corrections.ran_at(collective, nbytes, inp.dtype, octave):
+            if prefer is not None and prefer not in corrections.ran_at(collective, nbytes, inp.dtype, octave):
                 standing = prefer  # tried here before it is left (:data:`~.choice.TRIAL_MARGIN`)
     entry = None
     if summary is not None:  # the scalable exchange: decided and planned from its counts every call

@@ -177,8 +177,8 @@ class Weighing:
     ) -> tuple[Candidate, dict[str, float]]:
         """The choice and every prediction by name (see :func:`weigh`): O(candidates)."""
         return _pick(
-            self.candidates, self.native_weighed, model, exchanges, factors, rounds, prefer, tried, standing,
-            self.native_held,
+            self.candidates, self.native_weighed, model, exchanges, factors, rounds, prefer, tried, self.native_held,
+            standing=standing,
         )  # fmt: skip
 
 
@@ -234,19 +234,7 @@ def weigh_batch(
     held = config.holds_native()
     for i in range(batch):
         at = [(a, f, m, Prediction(float(p.seconds[i]), bool(p.sparse[i]))) for a, f, m, p in priced]
-        out.append(
-            _pick(
-                _candidates(native, at),
-                native is not None,
-                model,
-                exchanges,
-                None,
-                rounds,
-                None,
-                None,
-                native_held=held,
-            )
-        )
+        out.append(_pick(_candidates(native, at), native is not None, model, exchanges, None, rounds, None, None, held))
     return out
 
 
@@ -316,8 +304,9 @@ def _pick(
     rounds: int,
     prefer: str | None,
     tried: frozenset[str] | None,
-    standing: str | None = None,
     native_held: bool = False,
+    *,
+    standing: str | None = None,
 ) -> tuple[Candidate, dict[str, float]]:
     """The cheapest candidate after the extra exchange rounds (``native_held``: none for the native
     call) and the learned corrections, with the native margin, the sticky preference and trials;
